@@ -1,0 +1,97 @@
+"""Building blocks shared by every family: RMSNorm, RoPE, attention over the KV cache, gated MLP.
+
+Einsum legend: B batch, T query tokens, S key tokens, D model, N query heads, K kv heads,
+G query heads per kv head (N = K * G), H head dim, F ffn, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rvjax.cache import kv as kvcache
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """x / rms(x) * scale, computed in float32. `scale` is the multiplier itself: Gemma's `1 + w`
+    is folded in at load time (GGUF files store it already), so no family adds it here. None: no scale."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, N, H], positions [B, T].
+
+    Angles are computed in float32 from integer positions: in bf16, 257 rounds to 256, and
+    sin(257) is nothing like sin(256)."""
+    h = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *, scale: float,
+           window: int | None = None, softcap: float | None = None) -> jax.Array:
+    """Causal (optionally sliding-window) GQA attention of q over cached k, v.
+
+    q [B, T, N, H]; k, v [B, S, K, H] where key s sits at position s; q_pos [B, T].
+    A key is visible when s <= q_pos and, for a window W, q_pos - s < W (HF's convention)."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    s_pos = jnp.arange(k.shape[1])
+    visible = s_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if window is not None:
+        visible &= q_pos[:, :, None] - s_pos[None, None, :] < window
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def attention_block(x, p, layer_kv: kvcache.LayerKV, start, positions, *, num_heads, num_kv_heads, head_dim,
+                    theta, scale, eps, window=None, softcap=None):
+    """Self-attention of x [B, T, D] at positions [B, T] (= start[:, None] + arange(T)).
+
+    `p` carries q, k, v [D, N*H | K*H], o [N*H, D] and optionally q_bias/k_bias/v_bias and
+    q_norm/k_norm (Gemma's QK-norm). Writes the new K/V into `layer_kv` and returns (out, layer_kv)."""
+    b, t, _ = x.shape
+    q = x @ p.q
+    k = x @ p.k
+    v = x @ p.v
+    if getattr(p, "q_bias", None) is not None:
+        q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+    q = q.reshape(b, t, num_heads, head_dim)
+    k = k.reshape(b, t, num_kv_heads, head_dim)
+    v = v.reshape(b, t, num_kv_heads, head_dim)
+    if getattr(p, "q_norm", None) is not None:
+        q = rms_norm(q, p.q_norm, eps)
+        k = rms_norm(k, p.k_norm, eps)
+    q = rope(q, positions, theta)
+    k = rope(k, positions, theta)
+    layer_kv = kvcache.write(layer_kv, k, v, start)
+    keys, values = kvcache.read(layer_kv, x.dtype)
+    out = attend(q, keys, values, positions, scale=scale, window=window, softcap=softcap)
+    return out.reshape(b, t, num_heads * head_dim) @ p.o, layer_kv
+
+
+def gated_mlp(x, gate, up, down, activation: str):
+    """act(x @ gate) * (x @ up) @ down; SiLU for Qwen, GELU-tanh for Gemma."""
+    g = x @ gate
+    if activation == "silu":
+        g = jax.nn.silu(g)
+    elif activation == "gelu_tanh":
+        g = jax.nn.gelu(g, approximate=True)
+    else:
+        raise ValueError(f"unknown activation {activation!r}")
+    return (g * (x @ up)) @ down
