@@ -104,7 +104,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             sliding_pattern=pattern,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
-            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            # HF's Gemma 3 reads attn_logit_softcapping into the config but never applies it (Gemma 2 did);
+            # the released checkpoints set it to null. Follow the reference: no attention soft-cap.
+            attn_logit_softcap=None,
             tie_embeddings=hf.get("tie_word_embeddings", True),
             **common,
         )

@@ -5,7 +5,8 @@ A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` keys. We r
 
 * `gpt2` (Qwen2.5): byte-level BPE with the file's merges and a split regex picked by `tokenizer.ggml.pre`.
 * `llama` on Gemma 2/3: SentencePiece-style BPE with byte fallback. The file has no merges, so they
-  are rebuilt from the vocabulary, ranked by token position (what HF does; Gemma's scores are all equal).
+  are rebuilt from the vocabulary, ranked by token position like HF does (the scores do not follow
+  Gemma's merge order).
 
 Control tokens (type 3) become special added tokens and user-defined ones (type 4) plain added tokens,
 so `<|im_start|>` or `<start_of_turn>` in a text encode as one id, like in HF.
@@ -17,6 +18,7 @@ import codecs
 import json
 import mmap
 import os
+import string
 import struct
 from collections.abc import Iterable
 from datetime import datetime
@@ -35,15 +37,15 @@ from rvjax.errors import CheckpointError, InvalidRequestError
 _CONTROL, _USER_DEFINED = 3, 4
 
 # Split regexes by `tokenizer.ggml.pre`, the ones HF's GGUF conversion uses for these vocabularies.
+# They differ only in digits: Qwen2 splits every digit alone, Llama 3 groups up to three.
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
 }
 _SENTENCEPIECE_ARCHS = ("gemma", "gemma2", "gemma3")
 # End-of-turn markers that stop generation by default, besides the file's eos.
@@ -68,24 +70,24 @@ def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict:
         pos = 24
         u64 = struct.Struct("<Q").unpack_from
 
-        def string(pos: int) -> tuple[str, int]:
+        def text(pos: int) -> tuple[str, int]:
             (n,) = u64(buf, pos)
             return buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
 
         meta: dict = {}
         for _ in range(n_kv):
-            key, pos = string(pos)
+            key, pos = text(pos)
             (vtype,) = struct.unpack_from("<I", buf, pos)
             pos += 4
             if vtype == 8:
-                value, pos = string(pos)
+                value, pos = text(pos)
             elif vtype == 9:
                 etype, n = struct.unpack_from("<IQ", buf, pos)
                 pos += 12
                 if etype == 8:
                     value = []
                     for _ in range(n):
-                        s, pos = string(pos)
+                        s, pos = text(pos)
                         value.append(s)
                 elif etype in _GGUF_SCALARS:
                     dtype = np.dtype(_GGUF_SCALARS[etype])
@@ -117,7 +119,7 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> tuple[tokenizers.Tokenizer, dict]:
     alphabet = _byte_alphabet()
     chars = set(alphabet.values())
     # Tokens are stored in the byte alphabet already; a few files spell one in plain UTF-8 instead.
@@ -132,7 +134,10 @@ def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     backend.decoder = decoders.ByteLevel()
     return backend, vocab
@@ -161,10 +166,8 @@ def _sentencepiece_backend(tokens: list[str], unk: str) -> tuple[tokenizers.Toke
 def _byte_fallback_value(piece: str) -> int | None:
     """The byte a `<0xNN>` piece stands for (the test HF's ByteFallback decoder applies), else None."""
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
+        if all(c in string.hexdigits for c in piece[3:5]):
             return int(piece[3:5], 16)
-        except ValueError:
-            return None
     return None
 
 
@@ -198,7 +201,9 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         # jinja2's own tojson escapes HTML characters, which would change the prompt.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception,
@@ -241,9 +246,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
-    def _token(self, i: int) -> str | None:
-        return self._backend.id_to_token(i) if isinstance(i, (int, np.integer)) and 0 <= i < self.vocab_size else None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. `<|im_start|>`) become their single id."""
         if not isinstance(text, str):
@@ -256,25 +258,28 @@ class Tokenizer:
                 ids = [*ids, self.eos_id]
         return ids
 
-    def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
+    def _bad_id(self, i) -> InvalidRequestError:
+        return InvalidRequestError(f"token id {i!r} is out of range for {self.name!r} (vocab_size {self.vocab_size})")
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        ids = [int(i) for i in ids]  # also takes numpy arrays / numpy ints
         for i in ids:
             if not 0 <= i < self.vocab_size:
-                raise InvalidRequestError(f"token id {i} is out of range for {self.name!r} (vocab_size {self.vocab_size})")
+                raise self._bad_id(i)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, i: int) -> str:
-        """The vocabulary spelling of token `i` (byte-level or `\u2581`-spaced, as in HF's convert_ids_to_tokens)."""
-        piece = self._token(i)
-        if piece is None:
-            raise InvalidRequestError(f"token id {i!r} is out of range for {self.name!r} (vocab_size {self.vocab_size})")
-        return piece
+        """Token `i` as the vocabulary spells it (byte-level or with U+2581 for spaces, like HF's
+        convert_ids_to_tokens)."""
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.vocab_size:
+            raise self._bad_id(i)
+        return self._backend.id_to_token(int(i))
 
     def _stream_unit(self, i: int, skip_special_tokens: bool) -> tuple[bool, bytes] | None:
-        """What token `i` contributes to decoded text: (is a byte-fallback byte, its bytes), or None if skipped."""
+        """What token `i` adds to the decoded text: (is it a byte-fallback byte, its bytes), None if skipped."""
         if skip_special_tokens and i in self._special_ids:
             return None
         piece = self.id_to_piece(i)
@@ -304,8 +309,12 @@ class Tokenizer:
         context.update(tools=None, documents=None)
         context.update(kwargs)
         try:
-            # json round trip: the template sees plain copies, never the caller's objects
-            return self._template.render(messages=json.loads(json.dumps(messages)), add_generation_prompt=add_generation_prompt, **context)
+            # A JSON round trip hands the template plain copies, never the caller's own objects.
+            messages = json.loads(json.dumps(messages))
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"messages must be JSON-like data: {e}") from e
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"chat template of model {self.name!r} rejected the messages: {e}") from e
 
