@@ -21,17 +21,17 @@ from rvjax.models.params import Param
 @dataclasses.dataclass
 class Layer:
     attn_norm: jax.Array  # [D]
-    q: jax.Array  # [D, N*H]
-    k: jax.Array  # [D, K*H]
-    v: jax.Array  # [D, K*H]
-    o: jax.Array  # [N*H, D]
+    q: jax.Array  # [N*H, D]   (matrices are [out, in], as checkpoints store them)
+    k: jax.Array  # [K*H, D]
+    v: jax.Array  # [K*H, D]
+    o: jax.Array  # [D, N*H]
     q_norm: jax.Array  # [H]
     k_norm: jax.Array  # [H]
     post_attn_norm: jax.Array  # [D]
     mlp_norm: jax.Array  # [D]
-    gate: jax.Array  # [D, F]
-    up: jax.Array  # [D, F]
-    down: jax.Array  # [F, D]
+    gate: jax.Array  # [F, D]
+    up: jax.Array  # [F, D]
+    down: jax.Array  # [D, F]
     post_mlp_norm: jax.Array  # [D]
 
 
@@ -53,17 +53,17 @@ def specs(cfg: ModelConfig) -> Weights:
         norm = lambda n: Param((n,), ("embed" if n == d else "head_dim",), "ones")  # noqa: E731
         return Layer(
             attn_norm=norm(d),
-            q=Param((d, nh), ("embed", "q_heads")),
-            k=Param((d, kh), ("embed", "kv_heads")),
-            v=Param((d, kh), ("embed", "kv_heads")),
-            o=Param((nh, d), ("q_heads", "embed")),
+            q=Param((nh, d), ("q_heads", "embed")),
+            k=Param((kh, d), ("kv_heads", "embed")),
+            v=Param((kh, d), ("kv_heads", "embed")),
+            o=Param((d, nh), ("embed", "q_heads")),
             q_norm=norm(h),
             k_norm=norm(h),
             post_attn_norm=norm(d),
             mlp_norm=norm(d),
-            gate=Param((d, f), ("embed", "ffn")),
-            up=Param((d, f), ("embed", "ffn")),
-            down=Param((f, d), ("ffn", "embed")),
+            gate=Param((f, d), ("ffn", "embed")),
+            up=Param((f, d), ("ffn", "embed")),
+            down=Param((d, f), ("embed", "ffn")),
             post_mlp_norm=norm(d),
         )
 

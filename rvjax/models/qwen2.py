@@ -17,17 +17,17 @@ from rvjax.models.params import Param
 @dataclasses.dataclass
 class Layer:
     attn_norm: jax.Array  # [D]
-    q: jax.Array  # [D, N*H]
-    k: jax.Array  # [D, K*H]
-    v: jax.Array  # [D, K*H]
-    o: jax.Array  # [N*H, D]
+    q: jax.Array  # [N*H, D]   (matrices are [out, in], as checkpoints store them)
+    k: jax.Array  # [K*H, D]
+    v: jax.Array  # [K*H, D]
+    o: jax.Array  # [D, N*H]
     q_bias: jax.Array  # [N*H]
     k_bias: jax.Array  # [K*H]
     v_bias: jax.Array  # [K*H]
     mlp_norm: jax.Array  # [D]
-    gate: jax.Array  # [D, F]
-    up: jax.Array  # [D, F]
-    down: jax.Array  # [F, D]
+    gate: jax.Array  # [F, D]
+    up: jax.Array  # [F, D]
+    down: jax.Array  # [D, F]
 
 
 @jax.tree_util.register_dataclass
@@ -46,17 +46,17 @@ def specs(cfg: ModelConfig) -> Weights:
     def layer():
         return Layer(
             attn_norm=Param((d,), ("embed",), "ones"),
-            q=Param((d, nh), ("embed", "q_heads")),
-            k=Param((d, kh), ("embed", "kv_heads")),
-            v=Param((d, kh), ("embed", "kv_heads")),
-            o=Param((nh, d), ("q_heads", "embed")),
+            q=Param((nh, d), ("q_heads", "embed")),
+            k=Param((kh, d), ("kv_heads", "embed")),
+            v=Param((kh, d), ("kv_heads", "embed")),
+            o=Param((d, nh), ("embed", "q_heads")),
             q_bias=Param((nh,), ("q_heads",)),
             k_bias=Param((kh,), ("kv_heads",)),
             v_bias=Param((kh,), ("kv_heads",)),
             mlp_norm=Param((d,), ("embed",), "ones"),
-            gate=Param((d, f), ("embed", "ffn")),
-            up=Param((d, f), ("embed", "ffn")),
-            down=Param((f, d), ("ffn", "embed")),
+            gate=Param((f, d), ("ffn", "embed")),
+            up=Param((f, d), ("ffn", "embed")),
+            down=Param((d, f), ("embed", "ffn")),
         )
 
     return Weights(

@@ -16,9 +16,6 @@ from rvjax.errors import CheckpointError
 from rvjax.models import family
 from rvjax.models.params import flat_names, is_param, unflatten
 
-# Canonical names of weights stored [V, D] as in checkpoints; every other matrix is stored [in, out].
-_UNTRANSPOSED = ("embed", "lm_head")
-
 
 def expand_names(template: Mapping[str, str], num_layers: int) -> dict[str, str]:
     """Checkpoint name -> canonical name, with `{i}` expanded for every layer."""
@@ -36,7 +33,8 @@ def map_tensors(cfg: ModelConfig, names: Mapping[str, str], shapes: Mapping[str,
                 load: Callable[[str], np.ndarray], *, norm_offset: float = 0.0, desc: str = "loading"):
     """Build the weights tree for `cfg` from checkpoint tensors.
 
-    names: checkpoint name -> canonical name; shapes: checkpoint name -> shape as stored ([out, in]);
+    names: checkpoint name -> canonical name; shapes: checkpoint name -> shape as stored (matrices [out, in],
+    which is also how rvjax declares them);
     load(name) -> float32 array of that shape. norm_offset is added to every norm scale (HF Gemma's 1 + w)."""
     specs = family(cfg.family).specs(cfg)
     declared = flat_names(specs, is_leaf=is_param)
@@ -53,15 +51,12 @@ def map_tensors(cfg: ModelConfig, names: Mapping[str, str], shapes: Mapping[str,
     for canon, ckpt in provided.items():
         expect = declared[canon].shape
         stored = tuple(shapes[ckpt])
-        as_stored = expect if canon in _UNTRANSPOSED or len(expect) == 1 else expect[::-1]
-        if stored != as_stored:
-            raise CheckpointError(f"checkpoint tensor {ckpt!r} has shape {stored}, expected {as_stored} "
+        if stored != expect:
+            raise CheckpointError(f"checkpoint tensor {ckpt!r} has shape {stored}, expected {expect} "
                                   f"for {cfg.family} weight {canon}")
     arrays = {}
     for canon, ckpt in tqdm(provided.items(), desc=desc, unit="tensor", leave=False):
         a = np.asarray(load(ckpt), dtype=np.float32)
-        if a.ndim == 2 and canon not in _UNTRANSPOSED:
-            a = np.ascontiguousarray(a.T)
         if norm_offset and re.search(r"norm$", canon):
             a = a + np.float32(norm_offset)
         arrays[canon] = a

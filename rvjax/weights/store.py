@@ -21,7 +21,7 @@ from rvjax.weights.demo import cache_dir
 log = logging.getLogger("rvjax")
 
 # Bump when the conversion's output changes meaning, so stale caches are never read (rvLLM §5).
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 
 
 def save(directory: str | Path, cfg: ModelConfig, weights) -> None:
