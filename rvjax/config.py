@@ -68,6 +68,13 @@ class ModelConfig:
 
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig from an HF `config.json` dict (Qwen2ForCausalLM, Gemma3ForCausalLM)."""
+    try:
+        return _from_hf_config(hf)
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
+
+
+def _from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     common = dict(
         vocab_size=hf["vocab_size"],

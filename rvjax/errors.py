@@ -13,5 +13,9 @@ class CheckpointError(RvjaxError, ValueError):
     """A checkpoint that does not match the model: missing, unused or wrongly shaped tensors."""
 
 
+class ConfigError(RvjaxError, ValueError):
+    """An engine option that cannot work: a bad dtype, max_model_len, KV budget."""
+
+
 class InvalidRequestError(RvjaxError, ValueError):
     """A request the engine cannot serve: empty prompt, prompt too long, bad sampling parameters."""

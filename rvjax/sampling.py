@@ -6,6 +6,7 @@ stacks a batch of them so one compiled sampler serves every mix of greedy and sa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 import jax
@@ -69,8 +70,14 @@ class SamplingParams:
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer, got {self.seed!r}")
+
+
+def seed_key(seed: int) -> int:
+    """Any Python int (negative, or past 64 bits) to a 32-bit key root; distinct seeds stay distinct
+    in practice (5 and 2**32 + 5 do not collide as they would modulo 2**32)."""
+    return int.from_bytes(hashlib.blake2b(str(int(seed)).encode(), digest_size=4).digest(), "little")
 
 
 @jax.tree_util.register_dataclass
@@ -95,7 +102,7 @@ class SamplingTensors:
         def col(f, dtype, fill):
             return jnp.asarray(np.array([f(p) for p in params] + [fill] * pad, dtype=dtype))
 
-        seeds = [p.seed if p.seed is not None else int(rng.integers(0, 2**32)) for p in params]
+        seeds = [seed_key(p.seed) if p.seed is not None else int(rng.integers(0, 2**32)) for p in params]
         return cls(
             temperature=col(lambda p: p.temperature, np.float32, 0.0),
             top_k=col(lambda p: p.top_k, np.int32, 0),
@@ -104,7 +111,7 @@ class SamplingTensors:
             presence=col(lambda p: p.presence_penalty, np.float32, 0.0),
             frequency=col(lambda p: p.frequency_penalty, np.float32, 0.0),
             repetition=col(lambda p: p.repetition_penalty, np.float32, 1.0),
-            seed=jnp.asarray(np.array(seeds + [0] * pad, dtype=np.uint64).astype(np.uint32)),
+            seed=jnp.asarray(np.array(seeds + [0] * pad, dtype=np.uint32)),
         )
 
 
@@ -136,6 +143,8 @@ def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
         cut = jnp.sum(before < st.top_p[:, None], axis=-1)  # tokens kept, >= 1
         pth = jnp.take_along_axis(desc, (cut - 1)[:, None], axis=-1)
+        # top_p = 1 keeps every token: float32 cumsums reach 1 early and would cut the far tail.
+        pth = jnp.where(st.top_p[:, None] >= 1.0, -jnp.inf, pth)
         return jnp.where(x < pth, -jnp.inf, x)
 
     # The full-vocab sort is the expensive part: skip it when no row asks for top-k or top-p.

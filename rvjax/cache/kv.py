@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from rvjax.config import ModelConfig
+from rvjax.errors import ConfigError
 
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
 
@@ -43,7 +44,7 @@ def resolve_kv_dtype(name: str, backend: str) -> str:
     if name == "auto":
         return "float32" if backend == "cpu" else "bfloat16"
     if name not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype={name!r} is not one of {['auto', *KV_DTYPES]}")
+        raise ConfigError(f"kv_cache_dtype={name!r} is not one of {['auto', *KV_DTYPES]}")
     return name
 
 

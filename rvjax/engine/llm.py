@@ -22,7 +22,7 @@ from rvjax.cache import kv as kvcache
 from rvjax.engine import runner
 from rvjax.engine.loading import load_model
 from rvjax.engine.outputs import CompletionOutput, RequestOutput
-from rvjax.errors import InvalidRequestError
+from rvjax.errors import ConfigError, InvalidRequestError
 from rvjax.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors
 
 log = logging.getLogger("rvjax")
@@ -83,12 +83,12 @@ class LLM:
             raise TypeError(f"LLM got unknown engine option(s) {unknown}; known: {sorted(fields)}")
         self.config = EngineConfig(max_model_len=max_model_len, dtype=dtype, tp=tp, **engine_options)
         if tp != 1:
-            raise ValueError(f"tp={tp}: tensor parallelism is not implemented yet; use tp=1")
+            raise ConfigError(f"tp={tp}: tensor parallelism is not implemented yet; use tp=1")
         _install_log_handler()
         backend = jax.default_backend()
         dtype_name = dtype or ("float32" if backend == "cpu" else "bfloat16")
         if dtype_name not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+            raise ConfigError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         self.model_cfg, weights, self.tokenizer, info = load_model(model)
         self.weights = jax.tree.map(lambda a: a.astype(DTYPES[dtype_name]), weights)
         self.dtype = dtype_name
@@ -96,14 +96,14 @@ class LLM:
         limit = self.model_cfg.max_position
         if backend == "cpu":
             limit = min(limit, CPU_MAX_MODEL_LEN)
-        self.max_model_len = max_model_len or limit
-        if not 1 < self.max_model_len <= self.model_cfg.max_position:
-            raise ValueError(f"max_model_len={max_model_len} must be in [2, {self.model_cfg.max_position}] "
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= self.model_cfg.max_position:
+            raise ConfigError(f"max_model_len={max_model_len} must be in [2, {self.model_cfg.max_position}] "
                              f"(the model's context)")
         self._bytes_per_token = kvcache.kv_bytes_per_token(self.model_cfg, self.kv_dtype)
         budget = self.config.kv_cache_memory_gib * 2**30
         if self._bytes_per_token * self.max_model_len > budget:
-            raise ValueError(f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} cannot hold one sequence of "
+            raise ConfigError(f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; raise it or lower max_model_len")
         self._rng = np.random.default_rng(self.config.seed)
         self.load_info = info

@@ -35,7 +35,8 @@ def read_gguf(path: str | Path):
     except Exception as e:  # a truncated or foreign file: say which
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
     meta = _scalar_fields(reader)
-    meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+    if "tokenizer.ggml.tokens" in reader.fields:  # the vocab size, when the file carries a tokenizer
+        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
     cfg = from_gguf_metadata(meta, set(tensors))
     for t in reader.tensors:

@@ -41,6 +41,9 @@ def read_hf_dir(directory: str | Path):
                 raise CheckpointError(f"tensor {name!r} appears in two shards")
             handles[name] = h
             shapes[name] = tuple(h.get_slice(name).get_shape())
+    if cfg.tie_embeddings and "lm_head.weight" in shapes and "model.embed_tokens.weight" not in shapes:
+        raise CheckpointError("checkpoint is missing tensor 'model.embed_tokens.weight' (the config ties "
+                              "word embeddings, and only 'lm_head.weight' is present)")
     if cfg.tie_embeddings and "lm_head.weight" in shapes:
         # Some exports write the tied head out too; it must equal the embedding to be dropped safely.
         import numpy as np
