@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     except RvjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = {"model": args.model, "file": str(path), "kv_cache_dtype": llm.kv_dtype, **res}
+    res = {"model": args.model, "file": os.path.relpath(path), "kv_cache_dtype": llm.kv_dtype, **res}
     print(json.dumps(res, indent=1) if args.json else
           f"{args.model}: perplexity {res['perplexity']:.4f} over {res['n_predicted']} tokens "
           f"({res['n_chunks']} windows of {args.window}) in {res['wall_seconds']:.0f} s")
