@@ -63,11 +63,11 @@ def test_first_position_logits_match_hf(model):
         ours = llm.logits([ids[i]])[0, -1]
         diff = np.abs(ours - ref[f"full_logits_{i}"]).max()
         print(f"{name} prompt {i}: max |logit diff| vs HF = {diff:.2e} (logit range {np.ptp(ours):.1f})")
-        assert diff < 2e-3, diff
+        assert diff < 5e-4, diff
     for i, p in enumerate(ids):
         ours = llm.logits([p])[0, -1]
         top = ref["first_logits_top_ids"][i]
-        np.testing.assert_allclose(ours[top], ref["first_logits_top_values"][i], atol=2e-3)
+        np.testing.assert_allclose(ours[top], ref["first_logits_top_values"][i], atol=5e-4)
 
 
 def test_greedy_32_tokens_match_hf(model):
