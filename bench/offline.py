@@ -121,13 +121,17 @@ def bench_hf(model: str) -> dict:
     from rvjax.weights.demo import resolve_demo
 
     path = resolve_demo(model)
-    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    torch.set_num_threads(os.cpu_count())
+    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ps = prompts_of(load_gguf_tokenizer(path), 1)
     x = torch.tensor(ps)
     with torch.no_grad():
+        m.generate(x, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
         t_pre = timed(lambda: m.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False), 1)
         t_all = timed(lambda: m.generate(x, max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False), 1)
-    return {"prefill_B1": PROMPT_LEN / t_pre, "decode_B1": (GEN - 1) / (t_all - t_pre)}
+    res = {"prefill_B1": PROMPT_LEN / t_pre, "decode_B1": (GEN - 1) / (t_all - t_pre)}
+    print(f"  HF {model} B=1: prefill {res['prefill_B1']:.0f} tok/s, decode {res['decode_B1']:.1f} tok/s", flush=True)
+    return res
 
 
 def table(results: dict, batches: list[int], bw: float) -> str:
@@ -166,9 +170,15 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF transformers (converts the GGUF: minutes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "offline_cpu.md"))
     ap.add_argument("--table-from", help="re-render the table from a results .json instead of measuring")
+    ap.add_argument("--add-hf-to", help="time only HF transformers and add it to this results .json")
     args = ap.parse_args()
-    if args.table_from:
-        saved = json.loads(Path(args.table_from).read_text())
+    if args.table_from or args.add_hf_to:
+        path = Path(args.table_from or args.add_hf_to)
+        saved = json.loads(path.read_text())
+        if args.add_hf_to:
+            for model in args.models:
+                saved["results"][model]["HF transformers"] = bench_hf(model)
+            path.write_text(json.dumps(saved, indent=1))
         print(table(saved["results"], saved["batches"], saved["bandwidth_gbs"]))
         return
     bw = copy_bandwidth_gbs()
