@@ -3,7 +3,7 @@ per-step time, at batch 1 and 32 (Qwen2.5-0.5B, float32, 128-token prompts). Pri
 
     python bench/profile_decode.py
 """
-import time, functools, jax, jax.numpy as jnp, numpy as np
+import time, jax, jax.numpy as jnp
 from rvjax import LLM, SamplingParams
 from rvjax.cache import new_cache
 from rvjax.models import family

@@ -5,7 +5,6 @@ used here is fixed per test so each test compiles the sampler once or twice, not
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

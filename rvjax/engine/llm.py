@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import math
 import sys
-import time
 from typing import Sequence
 
 import jax
@@ -194,16 +193,19 @@ class LLM:
     def _waves(self, reqs: list[_Request]):
         """Longest prompts first, in waves within max_num_seqs and the KV budget."""
         budget = self.config.kv_cache_memory_gib * 2**30
-        order = sorted(reqs, key=lambda r: -len(r.prompt_ids))
         wave: list[_Request] = []
-        for r in order:
-            trial = wave + [r]
-            rows = _pow2(len(trial))
-            cache_len = self._cache_len(trial)
-            if wave and (len(trial) > self.config.max_num_seqs or rows * cache_len * self._bytes_per_token > budget):
+        need = 0
+        for r in sorted(reqs, key=lambda r: -len(r.prompt_ids)):
+            # Prompts come longest first, so the wave's prefill shape is set by its first request.
+            trial_need = max(need, self._need(r))
+            rows = _pow2(len(wave) + 1)
+            cache_len = self._cache_len(wave[:1] or [r], trial_need)
+            if wave and (len(wave) + 1 > self.config.max_num_seqs
+                         or rows * cache_len * self._bytes_per_token > budget):
                 yield wave
-                trial = [r]
-            wave = trial
+                wave, trial_need = [], self._need(r)
+            wave.append(r)
+            need = trial_need
         if wave:
             yield wave
 
@@ -213,21 +215,29 @@ class LLM:
         chunk = min(_pow2(longest, 16), self.config.prefill_chunk)
         return chunk, math.ceil(longest / chunk)
 
-    def _cache_len(self, wave) -> int:
+    def _cache_len(self, wave, need: int | None = None) -> int:
+        """Cache positions for a wave: its longest prompt + max_tokens, bucketed, and at least the
+        padded prefill (chunk writes must stay inside the buffer)."""
         chunk, n = self._prefill_shape(wave)
-        return max(_pow2(max(self._need(r) for r in wave), 128), chunk * n)
+        need = max(self._need(r) for r in wave) if need is None else need
+        return max(_pow2(need, 128), chunk * n)
 
-    def _run_wave(self, wave: list[_Request]) -> None:
-        cfg, k = self.model_cfg, self.config.decode_window
-        rows = _pow2(len(wave))
-        cache = kvcache.new_cache(cfg, rows, self._cache_len(wave), self.kv_dtype)
-        state = self._initial_state(wave, rows)
+    def _pad_prompts(self, wave, rows: int):
+        """Prompts right-padded to whole prefill chunks: (tokens [rows, n*chunk], lengths [rows], chunk, n)."""
         chunk, n_chunks = self._prefill_shape(wave)
         tokens = np.zeros((rows, chunk * n_chunks), np.int32)
         lengths = np.ones((rows,), np.int32)
         for i, r in enumerate(wave):
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             lengths[i] = len(r.prompt_ids)
+        return tokens, lengths, chunk, n_chunks
+
+    def _run_wave(self, wave: list[_Request]) -> None:
+        cfg, k = self.model_cfg, self.config.decode_window
+        rows = _pow2(len(wave))
+        cache = kvcache.new_cache(cfg, rows, self._cache_len(wave), self.kv_dtype)
+        state = self._initial_state(wave, rows)
+        tokens, lengths, chunk, n_chunks = self._pad_prompts(wave, rows)
         last_h = jnp.zeros((rows, cfg.hidden_size), DTYPES[self.dtype])
         lengths_dev = jnp.asarray(lengths)
         for c in range(n_chunks):
@@ -353,11 +363,8 @@ class LLM:
         out = np.full((len(seqs), longest, self.model_cfg.vocab_size), np.nan, np.float32)
         for wave in self._waves(reqs):
             rows = _pow2(len(wave))
-            chunk, n_chunks = self._prefill_shape(wave)
             cache = kvcache.new_cache(self.model_cfg, rows, self._cache_len(wave), self.kv_dtype)
-            tokens = np.zeros((rows, chunk * n_chunks), np.int32)
-            for i, r in enumerate(wave):
-                tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+            tokens, _, chunk, n_chunks = self._pad_prompts(wave, rows)
             for c in range(n_chunks):
                 lg, cache = runner.chunk_logits(self.weights, self.model_cfg,
                                                 jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), c * chunk, cache)
