@@ -249,10 +249,7 @@ class LLM:
         self._absorb(wave, *(x[:, None] for x in first))
         # A window is dispatched before the previous one's outbox is read (JAX async dispatch).
         pending = None
-        while True:
-            live = np.array([r.finish_reason is None for r in wave] + [False] * (rows - len(wave)))
-            if not live.any():
-                break
+        while any(r.finish_reason is None for r in wave):
             state, cache, out = runner.decode_window(self.weights, cfg, state, cache, k, n_lp)
             if pending is not None:
                 state = self._drain(wave, pending, state)
