@@ -196,12 +196,11 @@ class LLM:
         wave: list[_Request] = []
         need = 0
         for r in sorted(reqs, key=lambda r: -len(r.prompt_ids)):
-            # Prompts come longest first, so the wave's prefill shape is set by its first request.
+            # Prompts come longest first, so a wave's prefill shape is set by its first request.
+            longest = len((wave or [r])[0].prompt_ids)
             trial_need = max(need, self._need(r))
-            rows = _pow2(len(wave) + 1)
-            cache_len = self._cache_len(wave[:1] or [r], trial_need)
-            if wave and (len(wave) + 1 > self.config.max_num_seqs
-                         or rows * cache_len * self._bytes_per_token > budget):
+            too_big = _pow2(len(wave) + 1) * self._cache_len(longest, trial_need) * self._bytes_per_token > budget
+            if wave and (len(wave) + 1 > self.config.max_num_seqs or too_big):
                 yield wave
                 wave, trial_need = [], self._need(r)
             wave.append(r)
@@ -209,22 +208,23 @@ class LLM:
         if wave:
             yield wave
 
-    def _prefill_shape(self, wave) -> tuple[int, int]:
-        """(chunk length, number of chunks) covering the wave's longest prompt."""
-        longest = max(len(r.prompt_ids) for r in wave)
+    def _prefill_shape(self, longest: int) -> tuple[int, int]:
+        """(chunk length, number of chunks) covering a prompt of `longest` tokens."""
         chunk = min(_pow2(longest, 16), self.config.prefill_chunk)
         return chunk, math.ceil(longest / chunk)
 
-    def _cache_len(self, wave, need: int | None = None) -> int:
-        """Cache positions for a wave: its longest prompt + max_tokens, bucketed, and at least the
-        padded prefill (chunk writes must stay inside the buffer)."""
-        chunk, n = self._prefill_shape(wave)
-        need = max(self._need(r) for r in wave) if need is None else need
+    def _cache_len(self, longest: int, need: int) -> int:
+        """Cache positions for a wave: its largest prompt + max_tokens (`need`), bucketed, and at least the
+        padded prefill of its longest prompt (chunk writes must stay inside the buffer)."""
+        chunk, n = self._prefill_shape(longest)
         return max(_pow2(need, 128), chunk * n)
+
+    def _wave_cache_len(self, wave: list[_Request]) -> int:
+        return self._cache_len(max(len(r.prompt_ids) for r in wave), max(self._need(r) for r in wave))
 
     def _pad_prompts(self, wave, rows: int):
         """Prompts right-padded to whole prefill chunks: (tokens [rows, n*chunk], lengths [rows], chunk, n)."""
-        chunk, n_chunks = self._prefill_shape(wave)
+        chunk, n_chunks = self._prefill_shape(max(len(r.prompt_ids) for r in wave))
         tokens = np.zeros((rows, chunk * n_chunks), np.int32)
         lengths = np.ones((rows,), np.int32)
         for i, r in enumerate(wave):
@@ -235,7 +235,7 @@ class LLM:
     def _run_wave(self, wave: list[_Request]) -> None:
         cfg, k = self.model_cfg, self.config.decode_window
         rows = _pow2(len(wave))
-        cache = kvcache.new_cache(cfg, rows, self._cache_len(wave), self.kv_dtype)
+        cache = kvcache.new_cache(cfg, rows, self._wave_cache_len(wave), self.kv_dtype)
         state = self._initial_state(wave, rows)
         tokens, lengths, chunk, n_chunks = self._pad_prompts(wave, rows)
         last_h = jnp.zeros((rows, cfg.hidden_size), DTYPES[self.dtype])
@@ -360,7 +360,7 @@ class LLM:
         out = np.full((len(seqs), longest, self.model_cfg.vocab_size), np.nan, np.float32)
         for wave in self._waves(reqs):
             rows = _pow2(len(wave))
-            cache = kvcache.new_cache(self.model_cfg, rows, self._cache_len(wave), self.kv_dtype)
+            cache = kvcache.new_cache(self.model_cfg, rows, self._wave_cache_len(wave), self.kv_dtype)
             tokens, _, chunk, n_chunks = self._pad_prompts(wave, rows)
             for c in range(n_chunks):
                 lg, cache = runner.chunk_logits(self.weights, self.model_cfg,

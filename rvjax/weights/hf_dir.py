@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from rvjax.config import from_hf_config
 from rvjax.errors import CheckpointError, ModelNotFoundError
 from rvjax.models import family
@@ -46,7 +48,6 @@ def read_hf_dir(directory: str | Path):
                               "word embeddings, and only 'lm_head.weight' is present)")
     if cfg.tie_embeddings and "lm_head.weight" in shapes:
         # Some exports write the tied head out too; it must equal the embedding to be dropped safely.
-        import numpy as np
         if not np.array_equal(handles["lm_head.weight"].get_tensor("lm_head.weight"),
                               handles["model.embed_tokens.weight"].get_tensor("model.embed_tokens.weight")):
             raise CheckpointError("config ties word embeddings but 'lm_head.weight' differs from the embedding")
