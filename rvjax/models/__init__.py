@@ -3,9 +3,9 @@
 
 from types import ModuleType
 
-from rvjax.models import gemma3, qwen2
+from rvjax.models import gemma3, gemma4, qwen2
 
-FAMILIES: dict[str, ModuleType] = {"qwen2": qwen2, "gemma3": gemma3}
+FAMILIES: dict[str, ModuleType] = {"qwen2": qwen2, "gemma3": gemma3, "gemma4": gemma4}
 
 
 def family(name: str) -> ModuleType:

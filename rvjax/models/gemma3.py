@@ -71,8 +71,9 @@ def specs(cfg: ModelConfig) -> Weights:
                    final_norm=Param((d,), ("embed",), "ones"))
 
 
-def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, cache: KVCache):
-    """tokens [B, T] at positions start[b] + t -> final hidden states [B, T, D] and the updated cache."""
+def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, cache: KVCache, valid=None):
+    """tokens [B, T] at positions start[b] + t -> final hidden states [B, T, D] and the updated cache.
+    valid [B] (optional): the real tokens of each row of a padded prefill chunk."""
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = jnp.take(w.embed, tokens, axis=0)
     # HF multiplies by sqrt(D) cast to the weight dtype (in bf16 sqrt(640) = 25.25, not 25.298).
@@ -83,12 +84,12 @@ def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, c
             rms_norm(x, p.attn_norm, cfg.rms_eps), p, layer_kv, start, positions,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             theta=cfg.layer_rope_theta(i), scale=cfg.attn_scale, eps=cfg.rms_eps,
-            window=cfg.layer_window(i), softcap=cfg.attn_logit_softcap)
+            window=cfg.layer_window(i), softcap=cfg.attn_logit_softcap, valid=valid)
         x = x + rms_norm(h, p.post_attn_norm, cfg.rms_eps)
         h = gated_mlp(rms_norm(x, p.mlp_norm, cfg.rms_eps), p.gate, p.up, p.down, "gelu_tanh")
         x = x + rms_norm(h, p.post_mlp_norm, cfg.rms_eps)
         new_layers.append(layer_kv)
-    return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_layers)
+    return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_layers, cache.max_len)
 
 
 def logits(w: Weights, cfg: ModelConfig, h: jax.Array) -> jax.Array:

@@ -28,14 +28,20 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, N, H], positions [B, T].
+def default_inv_freq(head_dim: int, theta: float) -> jax.Array:
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
 
-    Angles are computed in float32 from integer positions: in bf16, 257 rounds to 256, and
-    sin(257) is nothing like sin(256)."""
+
+def rope(x: jax.Array, positions: jax.Array, theta: float | None = None, *, inv_freq=None) -> jax.Array:
+    """Rotate-half RoPE: dim i pairs with dim i + H/2. x [B, T, N, H], positions [B, T].
+
+    `inv_freq` [H/2] overrides the standard frequencies of `theta` (Gemma 4's partial RoPE zeroes the
+    tail of each half, leaving those dims unrotated). Angles are computed in float32 from integer
+    positions: in bf16, 257 rounds to 256, and sin(257) is nothing like sin(256)."""
     h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    if inv_freq is None:
+        inv_freq = default_inv_freq(h, theta)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -43,34 +49,13 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *, scale: float,
-           window: int | None = None, softcap: float | None = None) -> jax.Array:
-    """Causal (optionally sliding-window) GQA attention of q over cached k, v.
-
-    q [B, T, N, H]; k, v [B, S, K, H] where key s sits at position s; q_pos [B, T].
-    A key is visible when s <= q_pos and, for a window W, q_pos - s < W (HF's convention)."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    s_pos = jnp.arange(k.shape[1])
-    visible = s_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    if window is not None:
-        visible &= q_pos[:, :, None] - s_pos[None, None, :] < window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, h)
-
-
-def attention_block(x, p, layer_kv: kvcache.LayerKV, start, positions, *, num_heads, num_kv_heads, head_dim,
-                    theta, scale, eps, window=None, softcap=None):
+def attention_block(x, p, layer_kv, start, positions, *, num_heads, num_kv_heads, head_dim,
+                    theta, scale, eps, window=None, softcap=None, valid=None):
     """Self-attention of x [B, T, D] at positions [B, T] (= start[:, None] + arange(T)).
 
     `p` carries q, k, v [N*H | K*H, D], o [D, N*H] and optionally q_bias/k_bias/v_bias and
-    q_norm/k_norm (Gemma's QK-norm). Writes the new K/V into `layer_kv` and returns (out, layer_kv)."""
+    q_norm/k_norm (Gemma's QK-norm). Writes the new K/V into `layer_kv` (any cache kind of
+    rvjax/cache/kv.py; `valid` [B] counts the real tokens of a padded chunk) and returns (out, layer_kv)."""
     b, t, _ = x.shape
     q = linear(x, p.q)
     k = linear(x, p.k)
@@ -85,9 +70,8 @@ def attention_block(x, p, layer_kv: kvcache.LayerKV, start, positions, *, num_he
         k = rms_norm(k, p.k_norm, eps)
     q = rope(q, positions, theta)
     k = rope(k, positions, theta)
-    layer_kv = kvcache.write(layer_kv, k, v, start)
-    keys, values = kvcache.read(layer_kv, x.dtype)
-    out = attend(q, keys, values, positions, scale=scale, window=window, softcap=softcap)
+    layer_kv, view = kvcache.update(layer_kv, k, v, start, valid=valid)
+    out = kvcache.attend(view, q, positions, scale=scale, window=window, softcap=softcap)
     return linear(out.reshape(b, t, num_heads * head_dim), p.o), layer_kv
 
 

@@ -67,8 +67,9 @@ def specs(cfg: ModelConfig) -> Weights:
     )
 
 
-def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, cache: KVCache):
-    """tokens [B, T] at positions start[b] + t -> final hidden states [B, T, D] and the updated cache."""
+def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, cache: KVCache, valid=None):
+    """tokens [B, T] at positions start[b] + t -> final hidden states [B, T, D] and the updated cache.
+    valid [B] (optional): the real tokens of each row of a padded prefill chunk."""
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = jnp.take(w.embed, tokens, axis=0)
     new_layers = []
@@ -77,11 +78,11 @@ def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, c
         h, layer_kv = attention_block(
             rms_norm(x, p.attn_norm, cfg.rms_eps), p, layer_kv, start, positions,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            theta=cfg.rope_theta, scale=cfg.attn_scale, eps=cfg.rms_eps)
+            theta=cfg.rope_theta, scale=cfg.attn_scale, eps=cfg.rms_eps, valid=valid)
         x = x + h
         x = x + gated_mlp(rms_norm(x, p.mlp_norm, cfg.rms_eps), p.gate, p.up, p.down, "silu")
         new_layers.append(layer_kv)
-    return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_layers)
+    return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_layers, cache.max_len)
 
 
 def logits(w: Weights, cfg: ModelConfig, h: jax.Array) -> jax.Array:

@@ -27,6 +27,34 @@ def safetensors_files(directory: Path) -> list[Path]:
     raise ModelNotFoundError(f"{directory} has config.json but no model.safetensors or model.safetensors.index.json")
 
 
+def _text_model_only(mod, handles: dict, shapes: dict):
+    """A multimodal checkpoint (Gemma4ForConditionalGeneration) keeps the text model under
+    `model.language_model.*`: read it as `model.*`, and set the vision and audio towers aside (not in
+    scope). Any other tensor still goes through the strict name check."""
+    prefix = getattr(mod, "HF_MULTIMODAL_TEXT_PREFIX", None)
+    if prefix is None or not any(n.startswith(prefix) for n in shapes):
+        return handles, shapes
+    others = getattr(mod, "HF_MULTIMODAL_OTHER_PREFIXES", ())
+    new_handles, new_shapes = {}, {}
+    for name, shape in shapes.items():
+        if any(name.startswith(o) for o in others):
+            continue
+        key = "model." + name[len(prefix):] if name.startswith(prefix) else name
+        new_handles[key] = _Renamed(handles[name], name)
+        new_shapes[key] = shape
+    return new_handles, new_shapes
+
+
+class _Renamed:
+    """A safetensors handle read under another tensor name."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    def get_tensor(self, _name: str):
+        return self.handle.get_tensor(self.name)
+
+
 def read_hf_dir(directory: str | Path):
     """(config, weights tree of float32 numpy arrays) from an HF checkpoint directory."""
     from safetensors import safe_open
@@ -43,6 +71,8 @@ def read_hf_dir(directory: str | Path):
                 raise CheckpointError(f"tensor {name!r} appears in two shards")
             handles[name] = h
             shapes[name] = tuple(h.get_slice(name).get_shape())
+    mod = family(cfg.family)
+    handles, shapes = _text_model_only(mod, handles, shapes)
     if cfg.tie_embeddings and "lm_head.weight" in shapes and "model.embed_tokens.weight" not in shapes:
         raise CheckpointError("checkpoint is missing tensor 'model.embed_tokens.weight' (the config ties "
                               "word embeddings, and only 'lm_head.weight' is present)")
@@ -52,7 +82,6 @@ def read_hf_dir(directory: str | Path):
                               handles["model.embed_tokens.weight"].get_tensor("model.embed_tokens.weight")):
             raise CheckpointError("config ties word embeddings but 'lm_head.weight' differs from the embedding")
         del shapes["lm_head.weight"]
-    mod = family(cfg.family)
     names = expand_names(mod.HF_NAMES, cfg.num_layers)
     weights = map_tensors(cfg, names, shapes, lambda n: handles[n].get_tensor(n),
                           norm_offset=mod.HF_NORM_OFFSET, desc=f"loading {directory.name}")

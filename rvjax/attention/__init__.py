@@ -1,0 +1,1 @@
+"""Attention implementations behind one interface. `xla` is the reference, correct on every backend."""
