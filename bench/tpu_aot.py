@@ -47,7 +47,11 @@ def compile_report(jitted_fn, *abstract_args, **abstract_kwargs):
     footprint; peak_bytes can be larger as it also counts copies that XLA
     prefetches into on-chip VMEM (seen for small weights).
     """
-    compiled = jitted_fn.lower(*abstract_args, **abstract_kwargs).compile()
+    return report_of(jitted_fn.lower(*abstract_args, **abstract_kwargs).compile())
+
+
+def report_of(compiled):
+    """compile_report's figures for an already compiled executable."""
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax returned one dict per module

@@ -136,6 +136,10 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
 
 def _from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
+    if model_type == "gemma4":  # Gemma4ForConditionalGeneration: the text model's config is nested
+        return _gemma4(hf["text_config"])
+    if model_type == "gemma4_text":
+        return _gemma4(hf)
     common = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -177,10 +181,6 @@ def _from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             tie_embeddings=hf.get("tie_word_embeddings", True),
             **common,
         )
-    if model_type == "gemma4":  # Gemma4ForConditionalGeneration: the text model's config is nested
-        return _gemma4(hf["text_config"])
-    if model_type == "gemma4_text":
-        return _gemma4(hf)
     raise CheckpointError(f"unsupported model_type {model_type!r} in config.json; "
                           "supported: qwen2, gemma3_text, gemma4, gemma4_text")
 

@@ -30,6 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--gemma4-path", default="auto", choices=["auto", "single-scan", "split-cache"],
+                   help="KV layout of sliding-window models (Gemma 3/4): split-cache keeps ring buffers for "
+                   "sliding layers and int8 KV; auto picks it above 32K context")
+    p.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                   help="Gemma 4 layer loop (auto: unrolled on CPU, scan elsewhere)")
     p.add_argument("--json", action="store_true", help='print {"prompt_ids", "token_ids", "text"} as JSON')
     return p.parse_args(argv)
 
@@ -51,7 +56,8 @@ def main(argv=None) -> int:
                 raise RvjaxError("--chat needs --prompt text, not --prompt-ids")
         elif not args.prompt:
             raise RvjaxError("--prompt is empty")
-        llm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+        llm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  gemma4_path=args.gemma4_path, layer_loop=args.layer_loop)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
         elif ids is not None:

@@ -143,14 +143,15 @@ def new_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str, *, split: 
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: str, *, split: bool = False,
-                block_k: int = DEFAULT_BLOCK_K) -> dict[str, int]:
-    """Bytes of a cache, split into sliding and global layers, from its abstract shapes (no allocation)."""
+                block_k: int = DEFAULT_BLOCK_K, tp: int = 1) -> dict[str, int]:
+    """Bytes of a cache (per chip under TP: a layer's KV heads split when they divide by tp, else they are
+    replicated), in sliding and global layers, from its abstract shapes (no allocation)."""
     out = {"sliding": 0, "global": 0}
     for i in range(cfg.num_layers):
         shapes = jax.eval_shape(lambda i=i: layer_cache(cfg, i, batch, max_len, dtype, split=split,
                                                         block_k=block_k))
         n = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-        out["sliding" if cfg.is_sliding(i) else "global"] += n
+        out["sliding" if cfg.is_sliding(i) else "global"] += n // (1 if cfg.layer_kv_heads(i) % tp else tp)
     return out
 
 

@@ -22,11 +22,15 @@ from rvjax.engine import runner
 from rvjax.engine.loading import load_model
 from rvjax.engine.outputs import CompletionOutput, RequestOutput
 from rvjax.errors import ConfigError, InvalidRequestError
+from rvjax.models import gemma4
 from rvjax.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors
 
 log = logging.getLogger("rvjax")
 
 CPU_MAX_MODEL_LEN = 8192
+SPLIT_CACHE_ABOVE = 32 * 1024  # rvLLM §8.2: single-scan up to 32K context, split-cache beyond
+GEMMA4_PATHS = ("auto", "single-scan", "split-cache")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -43,6 +47,12 @@ class EngineConfig:
     decode_window: int = 16  # decode steps per device dispatch (Blink's K)
     prefill_chunk: int = 512  # longest prefill chunk; longer prompts are prefilled in chunks
     seed: int = 0  # draws seeds for requests that give none
+    # KV layout of models with sliding-window layers (Gemma 3 and 4). single-scan: every layer keeps the
+    # whole context. split-cache: sliding layers keep ring buffers of their window, global layers the whole
+    # context with blockwise attention, KV int8 by default. auto: split-cache above 32K context.
+    gemma4_path: str = "auto"
+    layer_loop: str = "auto"  # Gemma 4: lax.scan over layer groups, or unrolled; auto: unrolled on CPU only
+    attn_block_k: int = kvcache.DEFAULT_BLOCK_K  # split-cache global attention block
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -88,10 +98,15 @@ class LLM:
         dtype_name = dtype or ("float32" if backend == "cpu" else "bfloat16")
         if dtype_name not in DTYPES:
             raise ConfigError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        if self.config.gemma4_path not in GEMMA4_PATHS:
+            raise ConfigError(f"gemma4_path={self.config.gemma4_path!r} is not one of {list(GEMMA4_PATHS)}")
+        if self.config.layer_loop not in LAYER_LOOPS:
+            raise ConfigError(f"layer_loop={self.config.layer_loop!r} is not one of {list(LAYER_LOOPS)}")
+        if not isinstance(self.config.attn_block_k, int) or self.config.attn_block_k < 1:
+            raise ConfigError(f"attn_block_k={self.config.attn_block_k!r} must be a positive integer")
         self.model_cfg, weights, self.tokenizer, info = load_model(model)
         self.weights = jax.tree.map(lambda a: a.astype(DTYPES[dtype_name]), weights)
         self.dtype = dtype_name
-        self.kv_dtype = kvcache.resolve_kv_dtype(self.config.kv_cache_dtype, backend)
         limit = self.model_cfg.max_position
         if backend == "cpu":
             limit = min(limit, CPU_MAX_MODEL_LEN)
@@ -99,9 +114,18 @@ class LLM:
         if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= self.model_cfg.max_position:
             raise ConfigError(f"max_model_len={max_model_len} must be in [2, {self.model_cfg.max_position}] "
                              f"(the model's context)")
-        self._bytes_per_token = kvcache.kv_bytes_per_token(self.model_cfg, self.kv_dtype)
+        self.path = self._resolve_path()
+        self.kv_dtype = kvcache.resolve_kv_dtype(self.config.kv_cache_dtype, backend, self.split)
+        self.layer_loop = self._resolve_loop(backend)
+        if self.model_cfg.family == "gemma4":
+            self.weights = gemma4.to_layout(self.weights, self.model_cfg, self.layer_loop == "scan")
+        # Split-cache: ring buffers cost a fixed amount per sequence; everything else grows with its length.
+        per_token = kvcache.cache_bytes(self.model_cfg, 1, 1, self.kv_dtype)
+        self._bytes_per_token = per_token["global"] + (0 if self.split else per_token["sliding"])
+        self._bytes_per_row = kvcache.cache_bytes(self.model_cfg, 1, self.model_cfg.sliding_window or 1,
+                                                  self.kv_dtype, split=True)["sliding"] if self.split else 0
         budget = self.config.kv_cache_memory_gib * 2**30
-        if self._bytes_per_token * self.max_model_len > budget:
+        if self._wave_bytes(1, self.max_model_len) > budget:
             raise ConfigError(f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; raise it or lower max_model_len")
         self._rng = np.random.default_rng(self.config.seed)
@@ -109,9 +133,45 @@ class LLM:
         log.info("%s: %s, %d layers, weights %s on %s; loaded in %.1f s (%s)", model, self.model_cfg.family,
                  self.model_cfg.num_layers, dtype_name, backend, info["load_seconds"],
                  "conversion cache" if info["conversion_cache_hit"] else info["source"])
-        log.info("max_model_len=%d; KV cache %s, %d B/token, budget %.2f GiB = %d tokens in flight",
-                 self.max_model_len, self.kv_dtype, self._bytes_per_token, budget / 2**30,
-                 budget // self._bytes_per_token)
+        log.info("max_model_len=%d; %s, layer loop %s; KV cache %s, %d B/token%s, budget %.2f GiB",
+                 self.max_model_len, self.path, self.layer_loop, self.kv_dtype, self._bytes_per_token,
+                 f" + {self._bytes_per_row} B/sequence of ring buffers" if self.split else "", budget / 2**30)
+
+    @property
+    def split(self) -> bool:
+        return self.path == "split-cache"
+
+    def _resolve_path(self) -> str:
+        """single-scan or split-cache (rvLLM §8.2); split-cache needs sliding-window layers."""
+        cfg, asked = self.model_cfg, self.config.gemma4_path
+        has_sliding = any(cfg.is_sliding(i) for i in range(cfg.num_layers))
+        if asked == "auto":
+            return "split-cache" if has_sliding and self.max_model_len > SPLIT_CACHE_ABOVE else "single-scan"
+        if asked == "split-cache" and not has_sliding:
+            raise ConfigError(f"gemma4_path='split-cache' needs sliding-window layers; {cfg.family} has none")
+        return asked
+
+    def _resolve_loop(self, backend: str) -> str:
+        """Gemma 4's layer loop: a scan over layer groups compiles once per group and is free on TPU, but
+        XLA:CPU copies each scanned weight slice (measured 2x slower here), so auto unrolls on CPU."""
+        asked = self.config.layer_loop
+        if self.model_cfg.family != "gemma4":
+            if asked == "scan":
+                raise ConfigError(f"layer_loop='scan' is implemented for Gemma 4, not {self.model_cfg.family}")
+            return "unrolled"
+        if asked == "auto":
+            return "unrolled" if backend == "cpu" else "scan"
+        return asked
+
+    def _wave_bytes(self, rows: int, cache_len: int) -> int:
+        length = kvcache.global_len(cache_len, self.config.attn_block_k) if self.split else cache_len
+        return int(rows * (self._bytes_per_token * length + self._bytes_per_row))
+
+    def _new_cache(self, rows: int, cache_len: int):
+        kw = dict(split=self.split, block_k=self.config.attn_block_k)
+        if self.model_cfg.family == "gemma4":
+            return gemma4.new_cache(self.model_cfg, self.weights, rows, cache_len, self.kv_dtype, **kw)
+        return kvcache.new_cache(self.model_cfg, rows, cache_len, self.kv_dtype, **kw)
 
     # ---- tokenization -------------------------------------------------------------------------------
 
@@ -199,7 +259,7 @@ class LLM:
             # Prompts come longest first, so a wave's prefill shape is set by its first request.
             longest = len((wave or [r])[0].prompt_ids)
             trial_need = max(need, self._need(r))
-            too_big = _pow2(len(wave) + 1) * self._cache_len(longest, trial_need) * self._bytes_per_token > budget
+            too_big = self._wave_bytes(_pow2(len(wave) + 1), self._cache_len(longest, trial_need)) > budget
             if wave and (len(wave) + 1 > self.config.max_num_seqs or too_big):
                 yield wave
                 wave, trial_need = [], self._need(r)
@@ -235,7 +295,7 @@ class LLM:
     def _run_wave(self, wave: list[_Request]) -> None:
         cfg, k = self.model_cfg, self.config.decode_window
         rows = _pow2(len(wave))
-        cache = kvcache.new_cache(cfg, rows, self._wave_cache_len(wave), self.kv_dtype)
+        cache = self._new_cache(rows, self._wave_cache_len(wave))
         state = self._initial_state(wave, rows)
         tokens, lengths, chunk, n_chunks = self._pad_prompts(wave, rows)
         last_h = jnp.zeros((rows, cfg.hidden_size), DTYPES[self.dtype])
@@ -360,11 +420,13 @@ class LLM:
         out = np.full((len(seqs), longest, self.model_cfg.vocab_size), np.nan, np.float32)
         for wave in self._waves(reqs):
             rows = _pow2(len(wave))
-            cache = kvcache.new_cache(self.model_cfg, rows, self._wave_cache_len(wave), self.kv_dtype)
-            tokens, _, chunk, n_chunks = self._pad_prompts(wave, rows)
+            cache = self._new_cache(rows, self._wave_cache_len(wave))
+            tokens, lengths, chunk, n_chunks = self._pad_prompts(wave, rows)
+            lengths = jnp.asarray(lengths)
             for c in range(n_chunks):
                 lg, cache = runner.chunk_logits(self.weights, self.model_cfg,
-                                                jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), c * chunk, cache)
+                                                jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]), c * chunk, lengths,
+                                                cache)
                 lg = np.asarray(lg)
                 for i, r in enumerate(wave):
                     n = min(len(r.prompt_ids) - c * chunk, chunk)

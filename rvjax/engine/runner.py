@@ -56,17 +56,19 @@ def _last_hidden(h, lengths, start, last_h):
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "last_h"))
 def prefill_chunk(weights, cfg: ModelConfig, tokens, start, lengths, cache: KVCache, last_h):
     """tokens [B, C] at positions start .. start+C-1 (start a scalar) into the cache; updates last_h [B, D]."""
-    b = tokens.shape[0]
-    h, cache = family(cfg.family).forward(weights, cfg, tokens, jnp.full((b,), start, jnp.int32), cache)
+    b, c = tokens.shape
+    valid = jnp.clip(lengths - start, 0, c)  # padding past a prompt's end must not enter a ring buffer
+    h, cache = family(cfg.family).forward(weights, cfg, tokens, jnp.full((b,), start, jnp.int32), cache, valid)
     return _last_hidden(h, lengths, start, last_h), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def chunk_logits(weights, cfg: ModelConfig, tokens, start, cache: KVCache):
+def chunk_logits(weights, cfg: ModelConfig, tokens, start, lengths, cache: KVCache):
     """Float32 logits [B, C, V] for every position of a chunk (evaluation)."""
-    b = tokens.shape[0]
+    b, c = tokens.shape
     mod = family(cfg.family)
-    h, cache = mod.forward(weights, cfg, tokens, jnp.full((b,), start, jnp.int32), cache)
+    h, cache = mod.forward(weights, cfg, tokens, jnp.full((b,), start, jnp.int32), cache,
+                           jnp.clip(lengths - start, 0, c))
     return mod.logits(weights, cfg, h), cache
 
 

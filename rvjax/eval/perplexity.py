@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--gemma4-path", default="auto", choices=["auto", "single-scan", "split-cache"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -67,12 +68,12 @@ def main(argv=None) -> int:
         path = Path(args.file)
         if not path.is_file():
             raise RvjaxError(f"--file {path} does not exist")
-        llm = LLM(args.model, kv_cache_dtype=args.kv_cache_dtype)
+        llm = LLM(args.model, kv_cache_dtype=args.kv_cache_dtype, gemma4_path=args.gemma4_path)
         res = perplexity(llm, path.read_text(encoding="utf-8"), args.window, args.max_windows)
     except RvjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = {"model": args.model, "file": os.path.relpath(path), "kv_cache_dtype": llm.kv_dtype, **res}
+    res = {"model": args.model, "file": os.path.relpath(path), "kv_cache_dtype": llm.kv_dtype, "path": llm.path, **res}
     print(json.dumps(res, indent=1) if args.json else
           f"{args.model}: perplexity {res['perplexity']:.4f} over {res['n_predicted']} tokens "
           f"({res['n_chunks']} windows of {args.window}) in {res['wall_seconds']:.0f} s")

@@ -14,6 +14,8 @@ groups of layers whose body runs a whole group, e.g. five sliding layers then on
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 
 from rvjax.cache import kv as kvcache
 from rvjax.cache.kv import KVCache
-from rvjax.config import ModelConfig
+from rvjax.config import ModelConfig, from_hf_config
 from rvjax.models.layers import gated_mlp, linear, rms_norm, rope
 from rvjax.models.params import Param
 
@@ -58,6 +60,17 @@ class Weights:
     ple_model_proj: jax.Array | None = None  # [L*P, D]
     ple_model_norm: jax.Array | None = None  # [P]
     scanned: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+VARIANTS_FILE = Path(__file__).parent / "data" / "gemma4_text_configs.json"  # sources: data/README.md
+
+
+def variant(name: str) -> ModelConfig:
+    """The full-size text config of a released Gemma 4 ("gemma-4-31b", "gemma-4-e2b", "gemma-4-e4b")."""
+    known = json.loads(VARIANTS_FILE.read_text())
+    if name not in known:
+        raise ValueError(f"unknown Gemma 4 variant {name!r}; known: {sorted(known)}")
+    return from_hf_config(known[name])
 
 
 class Segment(NamedTuple):
