@@ -30,8 +30,6 @@ KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
 DEFAULT_BLOCK_K = 8192
 
 
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
