@@ -1,13 +1,22 @@
-"""The XLA reference attention, correct on every backend: dense GQA over explicit key positions, and
-blockwise online-softmax attention over a long cache that never materializes the full score matrix.
+"""The XLA reference attention, correct on every backend: dense GQA over one or more sets of keys at explicit
+positions, and blockwise online-softmax attention over a long cache that never materializes the full score
+matrix.
+
+A step's queries attend over the cache as it was before the step plus the step's own keys, each a separate
+key set: the cache is never concatenated with (copied into) anything, and the step's write can happen
+after attention, or after a whole scanned layer loop.
 
 Einsum legend (rvjax/models/layers.py): B batch, T query tokens, S key tokens, K kv heads, G query heads
 per kv head, H head dim. Scores and the softmax are float32 whatever the KV dtype."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+
+KeySet = tuple  # (k [B, S, K, H], v [B, S, K, H], k_pos [B, S]); k_pos < 0 marks an empty slot
 
 
 def _scores(q, k, scale, softcap):
@@ -30,47 +39,57 @@ def visible(q_pos, k_pos, window):
     return vis
 
 
-def dense(q, k, v, q_pos, k_pos, *, scale: float, window: int | None = None, softcap: float | None = None):
-    """Causal (optionally sliding-window) GQA attention.
+def _masked_scores(q, q_pos, key_set: KeySet, scale, window, softcap):
+    k, _, k_pos = key_set
+    s = _scores(q, k, scale, softcap)
+    return jnp.where(visible(q_pos, k_pos, window)[:, None, None], s, -jnp.inf)
 
-    q [B, T, N, H] at q_pos [B, T]; k, v [B, S, K, H] at k_pos [B, S]. Every query must see at least one
-    key (its own position), so no row of the softmax is empty."""
+
+def dense(q, q_pos, key_sets: Sequence[KeySet], *, scale: float, window: int | None = None,
+          softcap: float | None = None):
+    """Causal (optionally sliding-window) GQA attention of q [B, T, N, H] at q_pos [B, T] over the union of
+    the key sets. Every query must see at least one key (its own position), so no softmax row is empty."""
     b, t, n, h = q.shape
-    scores = _scores(q, k, scale, softcap)
-    scores = jnp.where(visible(q_pos, k_pos, window)[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, h)
+    scores = [_masked_scores(q, q_pos, ks, scale, window, softcap) for ks in key_sets]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, at = 0.0, 0
+    for (_, v, _), s in zip(key_sets, scores):
+        p = probs[..., at: at + s.shape[-1]].astype(v.dtype)
+        out = out + jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32)
+        at += s.shape[-1]
+    return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def blockwise(q, q_pos, read_block, num_blocks, block: int, kv_heads: int, *, scale: float,
+def _merge(state, s, v):
+    """One online-softmax step: fold scores s [B, K, G, T, S] over values v [B, S, K, H] into (m, l, acc)."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # A block can be wholly masked for a row (a window that ends before it): keep exp() finite there.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v.astype(jnp.float32))
+    return m_new, l * corr + p.sum(axis=-1), acc
+
+
+def blockwise(q, q_pos, read_block, num_blocks, block: int, *, extra: KeySet, scale: float,
               window: int | None = None, softcap: float | None = None):
-    """Online-softmax attention over a cache read `block` keys at a time (key s at position s).
+    """Online-softmax attention over `extra` (the step's own keys) and a cache read `block` keys at a time.
 
-    read_block(i) -> (k, v) [B, block, K, H] for keys i*block .. (i+1)*block - 1. Only blocks up to the
-    largest query position are read: `num_blocks` may be a traced value. Peak memory is one block of
-    scores [B, K, G, T, block], whatever the context (rvLLM §8.2, BLOCK_K)."""
+    read_block(i) -> (k, v, k_pos) for cache keys i*block .. (i+1)*block - 1. Only `num_blocks` blocks are
+    read (a traced value: blocks past the newest position are skipped). Peak memory is one block of scores
+    [B, K, G, T, block], whatever the context (rvLLM §8.2, BLOCK_K)."""
     b, t, n, h = q.shape
-    kh, g = kv_heads, n // kv_heads
-    m0 = jnp.full((b, kh, g, t), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((b, kh, g, t), jnp.float32)
-    acc0 = jnp.zeros((b, kh, g, t, h), jnp.float32)
+    kh = extra[0].shape[2]
+    g = n // kh
+    state = (jnp.full((b, kh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+             jnp.zeros((b, kh, g, t, h), jnp.float32))
+    state = _merge(state, _masked_scores(q, q_pos, extra, scale, window, softcap), extra[1])
 
-    def body(i, carry):
-        m, l, acc = carry
-        k, v = read_block(i)
-        s = _scores(q, k, scale, softcap)
-        k_pos = jnp.broadcast_to(i * block + jnp.arange(block, dtype=jnp.int32), (b, block))
-        s = jnp.where(visible(q_pos, k_pos, window)[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        # A block can be wholly masked for a row (a window that ends before it): keep exp() finite there.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m - m_safe)
-        l = l * corr + p.sum(axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v.astype(jnp.float32))
-        return m_new, l, acc
+    def body(i, state):
+        key_set = read_block(i)
+        return _merge(state, _masked_scores(q, q_pos, key_set, scale, window, softcap), key_set[1])
 
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, state)
     out = acc / l[..., None]  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)

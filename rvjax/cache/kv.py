@@ -68,17 +68,15 @@ class KVCache:
     max_len: int = dataclasses.field(metadata=dict(static=True))  # positions a sequence may occupy
 
 
-class DenseView(NamedTuple):
-    layer: LayerKV  # after this step's write
-    index: Any
+class StepView(NamedTuple):
+    """What a step's attention reads: the layer's cache as it was before the step, plus the step's own K/V.
+    The step's write is separate (`commit`), so a scanned loop can defer it past the loop."""
 
-
-class RingView(NamedTuple):
-    ring: RingKV  # before this step's write
-    index: Any
-    k: jax.Array  # this step's K/V [B, T, K, H], as the cache stores them
+    layer: Any  # LayerKV | RingKV, before this step's write ([G, ...] when stacked)
+    index: Any  # the layer's group in a stacked cache, or None
+    k: jax.Array  # [B, T, K, H]: the step's K/V as the cache stores them, dequantized
     v: jax.Array
-    start: jax.Array  # [B] position of the step's first token
+    start: jax.Array  # [B]: position of the step's first token
 
 
 def resolve_kv_dtype(name: str, backend: str, split: bool = False) -> str:
@@ -188,10 +186,15 @@ def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(one)(buf, new.astype(buf.dtype), start)
 
 
-def _scatter(buf, new, slots, index):
-    """buf [(G,) B, S, ...] <- new [B, T, ...] at slots [B, T] (out-of-range slots are dropped)."""
+def _scatter(buf, new, slots, groups: bool = False):
+    """buf [B, S, ...] <- new [B, T, ...] at slots [B, T]; with `groups`, buf [G, B, S, ...] <- new
+    [G, B, T, ...] for every group at once. Out-of-range slots are dropped."""
     rows = jnp.broadcast_to(jnp.arange(slots.shape[0])[:, None], slots.shape)
-    at = (rows, slots) if index is None else (index, rows, slots)
+    if groups:
+        g = jnp.arange(buf.shape[0])[:, None, None]
+        at = (g, rows[None], slots[None])
+    else:
+        at = (rows, slots)
     return buf.at[at].set(new.astype(buf.dtype), mode="drop")
 
 
@@ -211,25 +214,34 @@ def _ring_slots(start, t: int, size: int, valid):
     return jnp.where(keep, (start[:, None] + tt) % size, size)
 
 
-def update(layer, k: jax.Array, v: jax.Array, start: jax.Array, *, valid=None, index=None):
-    """Write k, v [B, T, K, H] for positions start[b] + t; returns (new layer, view for `attend`).
-
-    valid [B] (optional): how many of the T tokens are real (the rest pad a prefill chunk).
-    index: the layer's group when the cache is stacked for a scanned loop."""
+def stage(layer, k: jax.Array, v: jax.Array, start: jax.Array, *, index=None):
+    """The step's k, v [B, T, K, H] (positions start[b] + t) as the layer stores them: (view for `attend`,
+    parts for `commit`). index: the layer's group when the cache is stacked for a scanned loop."""
     parts = _stored(layer, k, v)
-    t = k.shape[1]
+    view = StepView(layer, index, _dequant(parts[0], parts[2], k.dtype), _dequant(parts[1], parts[3], k.dtype),
+                    start)
+    return view, parts
+
+
+def commit(layer, parts, start: jax.Array, *, valid=None, groups: bool = False):
+    """Write staged parts into the layer. With `groups`, the layer is stacked [G, ...] and the parts carry
+    every group's K/V [G, B, T, ...] (a scanned loop's outputs): one write after the loop, not one per
+    iteration (inside the loop, the TPU compiler copies the whole buffer to scatter into it).
+    valid [B] (optional): how many of the T tokens are real (the rest pad a prefill chunk)."""
+    t = parts[0].shape[-3]
     if isinstance(layer, RingKV):
         slots = _ring_slots(start, t, layer.size, valid)
-        new = _replace(layer, parts, lambda buf, x: _scatter(buf, x, slots, index))
-        dtype = k.dtype
-        return new, RingView(layer, index, _dequant(parts[0], parts[2], dtype), _dequant(parts[1], parts[3], dtype),
-                             start)
-    if index is None:
-        new = _replace(layer, parts, lambda buf, x: _write_rows(buf, x, start))
-    else:
+        return _replace(layer, parts, lambda buf, x: _scatter(buf, x, slots, groups))
+    if groups:
         slots = start[:, None] + jnp.arange(t)[None, :]
-        new = _replace(layer, parts, lambda buf, x: _scatter(buf, x, slots, index))
-    return new, DenseView(new, index)
+        return _replace(layer, parts, lambda buf, x: _scatter(buf, x, slots, True))
+    return _replace(layer, parts, lambda buf, x: _write_rows(buf, x, start))
+
+
+def update(layer, k: jax.Array, v: jax.Array, start: jax.Array, *, valid=None):
+    """stage + commit: write k, v [B, T, K, H] at positions start[b] + t; returns (new layer, view)."""
+    view, parts = stage(layer, k, v, start)
+    return commit(layer, parts, start, valid=valid), view
 
 
 # ---- attention ---------------------------------------------------------------------------------------
@@ -251,27 +263,25 @@ def ring_positions(start: jax.Array, size: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
-def attend(view, q: jax.Array, q_pos: jax.Array, *, scale: float, window: int | None = None,
+def attend(view: StepView, q: jax.Array, q_pos: jax.Array, *, scale: float, window: int | None = None,
            softcap: float | None = None) -> jax.Array:
-    """Attention of q [B, T, N, H] at q_pos [B, T] over a layer's view; [B, T, N, H]."""
+    """Attention of q [B, T, N, H] at q_pos [B, T] over a step's view: the cache entries before the step
+    and the step's own K/V. [B, T, N, H]."""
+    layer, index, k_new, v_new, start = view
     dtype = q.dtype
-    if isinstance(view, RingView):
-        ring = view.ring
-        if window is None or ring.size > window:
-            raise ValueError(f"a ring of {ring.size} slots serves sliding windows of at least that size; "
+    t = k_new.shape[1]
+    own = (k_new.astype(dtype), v_new.astype(dtype), start[:, None] + jnp.arange(t)[None, :])
+    if isinstance(layer, RingKV):
+        if window is None or layer.size > window:
+            raise ValueError(f"a ring of {layer.size} slots serves sliding windows of at least that size; "
                              f"got window={window}")
-        rk, rv = _read(ring, view.index, dtype)
-        t = view.k.shape[1]
-        k_pos = jnp.concatenate([ring_positions(view.start, ring.size),
-                                 view.start[:, None] + jnp.arange(t)[None, :]], axis=1)
-        keys = jnp.concatenate([rk, view.k.astype(dtype)], axis=1)
-        values = jnp.concatenate([rv, view.v.astype(dtype)], axis=1)
-        return xla.dense(q, keys, values, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
-    layer, index = view
+        k, v = _read(layer, index, dtype)
+        return xla.dense(q, q_pos, [(k, v, ring_positions(start, layer.size)), own], scale=scale, window=window,
+                         softcap=softcap)
     if layer.block is None:
         k, v = _read(layer, index, dtype)
-        k_pos = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
-        return xla.dense(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
+        return xla.dense(q, q_pos, [(k, v, _before(jnp.arange(k.shape[1]), start)), own], scale=scale,
+                         window=window, softcap=softcap)
     block = layer.block
     lead = () if index is None else (index,)
 
@@ -283,8 +293,14 @@ def attend(view, q: jax.Array, q_pos: jax.Array, *, scale: float, window: int | 
             sizes = (1,) * len(lead) + (x.shape[len(lead)], block) + x.shape[len(lead) + 2:]
             out = jax.lax.dynamic_slice(x, starts, sizes)
             return out[0] if lead else out
-        return (_dequant(sl(layer.k), sl(layer.k_scale), dtype), _dequant(sl(layer.v), sl(layer.v_scale), dtype))
+        return (_dequant(sl(layer.k), sl(layer.k_scale), dtype), _dequant(sl(layer.v), sl(layer.v_scale), dtype),
+                _before(i * block + jnp.arange(block), start))
 
-    num_blocks = jnp.max(q_pos) // block + 1
-    return xla.blockwise(q, q_pos, read_block, num_blocks, block, layer.k.shape[-2], scale=scale, window=window,
+    num_blocks = (jnp.max(start) + block - 1) // block  # blocks holding any position before the step
+    return xla.blockwise(q, q_pos, read_block, num_blocks, block, extra=own, scale=scale, window=window,
                          softcap=softcap)
+
+
+def _before(pos: jax.Array, start: jax.Array) -> jax.Array:
+    """[B, S] key positions of cache slots pos [S], -1 where a row has not written them yet (>= start)."""
+    return jnp.where(pos[None, :] < start[:, None], pos[None, :], -1)

@@ -181,7 +181,8 @@ def _per_layer_inputs(w: Weights, cfg: ModelConfig, tokens, x):
 
 def _layer(p: Layer, cfg: ModelConfig, i: int, x, ple_i, layer_kv, views: dict, *, start, positions, valid,
            index=None):
-    """One decoder layer; i is the layer (or, in a scanned group, a representative of its position)."""
+    """One decoder layer; i is the layer (or, in a scanned group, a representative of its position).
+    Returns (x, the layer's updated cache) or, inside a scan (index = the group), (x, the staged K/V)."""
     b, t, _ = x.shape
     h_dim, sliding = cfg.layer_head_dim(i), cfg.is_sliding(i)
     inv_freq = cfg.layer_inv_freq(i)
@@ -196,9 +197,12 @@ def _layer(p: Layer, cfg: ModelConfig, i: int, x, ple_i, layer_kv, views: dict, 
         v = k if p.v is None else linear(h, p.v).reshape(b, t, kh, h_dim)
         k = rope(rms_norm(k, p.k_norm, cfg.rms_eps), positions, inv_freq=inv_freq)
         v = rms_norm(v, None, cfg.rms_eps)
-        layer_kv, view = kvcache.update(layer_kv, k, v, start, valid=valid, index=index)
+        view, parts = kvcache.stage(layer_kv, k, v, start, index=index)
         if index is None:
+            layer_kv = kvcache.commit(layer_kv, parts, start, valid=valid)
             views[sliding] = view
+        else:
+            layer_kv = parts  # a scanned group's writes happen after the loop
     out = kvcache.attend(view, q, positions, scale=cfg.attn_scale, window=cfg.layer_window(i))
     x = x + rms_norm(linear(out.reshape(b, t, -1), p.o), p.post_attn_norm, cfg.rms_eps)
     h = gated_mlp(rms_norm(x, p.mlp_norm, cfg.rms_eps), p.gate, p.up, p.down, "gelu_tanh")
@@ -234,18 +238,20 @@ def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, c
         xs_ple = None if span is None else jnp.moveaxis(
             span.reshape(span.shape[:2] + (seg.count, seg.period, cfg.ple_dim)), 2, 0)
 
-        def group(carry, xs, seg=seg):
-            x, caches = carry
+        def group(x, xs, seg=seg, caches=caches):
             params, g, ple_g = xs
-            caches = list(caches)
+            staged = []
             for j in range(seg.period):
-                x, caches[j] = _layer(params[j], cfg, seg.first + j, x, None if ple_g is None else ple_g[:, :, j],
-                                      caches[j], views, index=g, **kw)
-            return (x, caches), None
+                x, kv = _layer(params[j], cfg, seg.first + j, x, None if ple_g is None else ple_g[:, :, j],
+                               caches[j], views, index=g, **kw)
+                staged.append(kv)
+            return x, staged
 
-        # The caches ride in the carry and are written in place at [g]; as scan outputs they would be copied.
-        (x, caches), _ = jax.lax.scan(group, (x, list(caches)), (params, jnp.arange(seg.count), xs_ple))
-        new_blocks.append(caches)
+        # Inside the loop the caches are only read; every group's new K/V comes out of the scan [count, ...]
+        # and is written once after it (scattering in the loop makes the TPU compiler copy whole buffers).
+        x, staged = jax.lax.scan(group, x, (params, jnp.arange(seg.count), xs_ple))
+        new_blocks.append([None if c is None else kvcache.commit(c, parts, start, valid=valid, groups=True)
+                           for c, parts in zip(caches, staged)])
     return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_blocks, cache.max_len)
 
 
