@@ -17,7 +17,9 @@ once). Every figure is per chip and a compile-time estimate, not a TPU measureme
 Roofline columns (918 TFLOP/s bf16, 1.6 TB/s HBM, max of the two; ICI collectives not counted):
 - analytic: bytes = the step's argument bytes from memory_analysis (all weights + the whole KV cache, each
   read once per step at the last position of the context); flops = 2 B x (matmul weights per chip, the tied
-  head included) + attention 4 B (N/tp) H S over the S keys each layer computes scores for.
+  head included) + attention 4 B (N/tp) H S over the S keys each layer computes scores for: the cache as it
+  was before the step (dense: every slot, masked; blockwise: every block holding an earlier position) plus
+  the step's own key.
 - unrolled: flops and bytes accessed from cost_analysis of the unrolled-layout compile (bytes accessed
   overcounts: every fusion operand counts, VMEM reuse not modelled). The split-cache global layers' blockwise
   attention is a fori_loop with a traced trip count, which cost_analysis counts once, so its unrolled flops
@@ -195,12 +197,13 @@ def analytic(cfg, name: str, tp: int, argument_bytes: int) -> dict:
         h, kh, f = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.layer_ffn(i)
         kv_div = tp if kh % tp == 0 else 1
         weights += (2 * n * h * d + 3 * f * d) // tp + (1 + cfg.layer_has_v(i)) * kh * h * d // kv_div
+        # The step at position ctx - 1 attends over the cache before the step plus its own K/V (+1).
         if not c["split"]:
-            keys = ctx  # dense attention scores every slot of the cache, masked
+            keys = ctx + 1  # dense attention scores every slot of the cache, masked
         elif cfg.is_sliding(i):
-            keys = min(cfg.layer_window(i), ctx) + 1  # the ring plus the step's own K/V
+            keys = min(cfg.layer_window(i), ctx) + 1  # the ring
         else:
-            keys = math.ceil(ctx / BLOCK_K) * BLOCK_K  # every block up to the last position
+            keys = math.ceil((ctx - 1) / BLOCK_K) * BLOCK_K + 1  # every block holding an earlier position
         attn += 4 * b * (n // tp) * h * keys  # q.k and p.v
     flops = 2 * b * weights + attn
     return dict(flops=flops, matmul_flops=2 * b * weights, attention_flops=attn, bytes=argument_bytes,
@@ -277,7 +280,8 @@ def table(results: dict) -> str:
 def details(results: dict) -> str:
     """Per-case raw figures behind the roofline columns."""
     rows = [("| case | analytic GFLOP (matmul + attention) | analytic GB read | unrolled cost_analysis GFLOP / GB "
-             "accessed | relayout copy GB per step (scan HLO) | collectives in scanned HLO (body counted once) |"),
+             "accessed | relayout copy GB per step, scan HLO (outside / inside the layer loop) | collectives in "
+             "scanned HLO (body counted once) |"),
             "|---|---|---|---|---|---|"]
     for name in ordered(results):
         s, u, a = (results[name].get(k) for k in ("scan", "unrolled", "analytic"))
@@ -288,7 +292,8 @@ def details(results: dict) -> str:
                          for op, shapes in s["collectives"].items())
         rows.append(f"| {name} | {a['flops'] / 1e9:,.0f} ({a['matmul_flops'] / 1e9:,.0f} + "
                     f"{a['attention_flops'] / 1e9:,.0f}) | {a['bytes'] / 1e9:.2f} | {u_s} | "
-                    f"{s['copy_bytes']['total'] / 1e9:.2f} | {coll} |")
+                    f"{s['copy_bytes']['total'] / 1e9:.2f} ({s['copy_bytes']['entry'] / 1e9:.2f} / "
+                    f"{s['copy_bytes']['in_loops'] / 1e9:.2f}) | {coll} |")
     return "\n".join(rows)
 
 
@@ -317,12 +322,23 @@ def write_markdown(results: dict, table_md: str):
     def unrolled_copies(name):
         return results[name]["unrolled"]["copy_bytes"]["total"]
 
+    def global_buf(name):  # one stacked global K (or V) int8 buffer per chip: [10, B, S, K/tp, H]
+        c = case(name)
+        return 10 * c["batch"] * c["ctx"] * (cfg.global_kv_heads // 4) * cfg.global_head_dim
+
+    def flop_ms(name):
+        return results[name]["analytic"]["flops"] / (TFLOPS * 1e9)
+
     fitting = [k for k in ordered(results) if not case(k)["split"] and case(k)["kv"] == "int8"
                and results[k]["scan"].get("compiles")]
     rejected = [k for k in ordered(results) if not case(k)["split"] and case(k)["kv"] == "int8"
                 and not results[k]["scan"].get("compiles")]
     strict = [k for k in fitting if results[k]["scan"]["fits_32e9"]]
     big = max(fitting, key=lambda k: case(k)["batch"])
+    compiled = [k for k in ordered(results) if "analytic" in results[k] and results[k]["scan"].get("compiles")]
+    flop_max = max(compiled, key=flop_ms)
+    a_over = results["a"]["unrolled"]["bytes_accessed"] / results["a"]["scan"]["argument_bytes"]
+    big_flops = results[big]["unrolled"]["flops"] / results[big]["analytic"]["flops"] - 1
     tried = ", ".join(str(case(k)["batch"]) for k in fitting + rejected)
     text = f"""# Gemma 4 31B decode step on TPU v6e-4: AOT compile estimates
 
@@ -342,14 +358,16 @@ Roofline columns (918 TFLOP/s, 1.6 TB/s; per chip, which is the step time of the
 counted):
 - **analytic**: bytes = argument bytes (all weights + the whole KV cache, each read once per step at the last
   position of the context); flops = 2 B x matmul weights per chip (tied head included) + attention
-  4 B (N/4) H S. Every case is memory-bound: the flop term is at most 5 ms (B=296).
-- **+ relayout copies**: the analytic time plus the HBM traffic of the whole-buffer layout copies the TPU
+  4 B (N/4) H S, S = the keys a layer scores (the cache before the step plus the step's own key). Every case
+  is memory-bound: the flop term is at most {flop_ms(flop_max):.1f} ms (B={case(flop_max)['batch']}).
+- **+ relayout copies**: the analytic time plus the HBM traffic of the layout copies (>= 1 MB) the TPU
   compiler inserted into the scanned program (below), read + written, times the loop trip counts.
 - **unrolled cost_analysis**: `cost_analysis()` of the same step compiled with the unrolled layout
   (`gemma4.to_layout(w, cfg, scan=False)`), as the scanned compile counts the scan body once. Its bytes
-  accessed overcount (2.4x the argument bytes at B=1), and at B=1 the TPU cost model also counts a
-  [1, D] x [D, F] product as 2.5x its flops (checked on a lone matmul; exact from B=8 up). At B=296 its flops
-  agree with the analytic count within 2%. For the split-cache path its blockwise fori_loop (traced trip
+  accessed overcount ({a_over:.1f}x the argument bytes at B=1) and include the unrolled program's own relayout
+  copies (below), and at B=1 the TPU cost model also counts a [1, D] x [D, F] product as 2.5x its flops
+  (checked on a lone matmul; exact from B=8 up). At B={case(big)['batch']} its flops are
+  {100 * abs(big_flops):.1f}% {'above' if big_flops > 0 else 'below'} the analytic count. For the split-cache path its blockwise fori_loop (traced trip
   count) is counted once, so it holds one 8192-key block of global attention per layer instead of 16.
 
 {details(results)}
@@ -374,7 +392,7 @@ small all-reduces are latency-bound and not in the roofline.
   {per_tok['bfloat16']:,} B / 4 chips = {tokens_768 * per_tok['bfloat16'] / 4 / 1e9:.1f} GB of bf16 KV per chip (the
   ~88 GB of the brief, confirmed with our own bytes/token), {tokens_768 * per_tok['int8'] / 4 / 1e9:.1f} GB int8, on
   top of {weights_chip / 1e9:.2f} GB of weights.
-- Split-cache 128K, B=1, int8: 17.62 GB per chip; the KV is {(split['sliding'] + split['global']) / 4 / 1e9:.2f} GB
+- Split-cache 128K, B=1, int8: {total('c') / 1e9:.2f} GB per chip; the KV is {(split['sliding'] + split['global']) / 4 / 1e9:.2f} GB
   per chip (rings {split['sliding'] / 4 / 1e6:.0f} MB, global {split['global'] / 4 / 1e9:.2f} GB).
 
 ## What the paper's B=768 implies
@@ -401,30 +419,37 @@ Taken together, the B=768 figure fits the paper's memory model only with one byt
 the bytes per token of a bf16 K+V cache; next to bf16 weights it would need <= {4 * room / tokens_768 / 1e3:.0f} KB
 per token, less than even int8 K alone.
 
-## Surprise: whole-buffer relayout copies inside the scanned loop
+## Layout copies in the scanned program
 
-In the scanned programs the TPU compiler inserts copies of entire stacked KV buffers ([10, B, S, K, H], all ten
-groups) inside the scan body, i.e. ten times per step:
-- split-cache 128K: the global int8 K and V buffers (671 MB each per chip) are relaid out (tiling T(32,128) ->
-  T(8,128)) every iteration to read the old value at the written slot: the scatter of `kv._scatter` is lowered
-  to select(in_bounds, new, dynamic-slice(old)) + dynamic-update-slice. About {copies('c') / 1e9:.0f} GB of extra
-  HBM traffic per step (+{copies('c') / 1.6e9:.0f} ms over a {results['c']['analytic']['roofline_ms']:.1f} ms
-  roofline), and {results['c']['scan']['temp_bytes'] / 1e9:.2f} GB of temps.
-- single-scan int8 B={case(big)['batch']}: the global layers' int8 K and V (776 MB each per chip at B=296; one
-  KV head per chip, so the sequence axis becomes the second-minor, int8-tiled dimension) are copied to
-  T(8,128) for the TPU scatter and back, every iteration: about {copies(big) / 1e9:.0f} GB per step (+{copies(big) / 1.6e9:.0f} ms over a
-  {results[big]['analytic']['roofline_ms']:.1f} ms roofline). The sliding layers (4 KV heads per chip) are not copied.
-- single-scan bf16 B=1: small ({copies('a') / 1e9:.2f} GB per step).
-The unrolled layout has far fewer ({unrolled_copies('c') / 1e9:.1f} GB per step at 128K,
-{unrolled_copies(big) / 1e9:.1f} GB at B={case(big)['batch']}). Experiments (scratch scripts,
-not committed): scatter `mode="promise_in_bounds"` or `unique_indices=True` change nothing; letting the compiler
-pick the cache layouts (`Layout.AUTO`) changes nothing; writing the single token with
-`lax.dynamic_update_slice` at (group, row, slot) instead of a scatter removes every copy for B=1 (128K: 0 GB of
-copies, temps 0.81 -> 0.00 GB), but per-row update-slices for B=296 make it worse (out of HBM).
-Not changed in rvjax (the program is correct, only slow). Candidate fixes: a dynamic_update_slice write for
-B=1 decode; for B>1, keep the stacked caches read-only inside the scan (attend over the old cache plus the
-step's own K/V, as the ring view already does) and write every group's new entries with one scatter after
-the loop, or store int8 K/V packed 4 to an int32 so the scatter needs no relayout.
+The scanned loop only reads the stacked caches: each layer attends over its cache as it was before the step
+plus the step's own K/V, every group's new K/V leaves the scan as an output [10, B, 1, ...], and after the loop
+one scatter per buffer writes all ten groups. There are no KV-sized copies inside the loop any more
+(relayout copies counted as in the table: read + written, copies of at least 1 MB):
+- single-scan bf16 B=1: none ({copies('a') / 1e9:.2f} GB per step).
+- split-cache 128K: {results['c']['scan']['copy_bytes']['in_loops'] / 1e9:.2f} GB inside the loop;
+  {results['c']['scan']['copy_bytes']['entry'] / 1e9:.2f} GB per step outside it (+{copies('c') / 1.6e9:.1f} ms
+  over a {results['c']['analytic']['roofline_ms']:.1f} ms roofline): for the one post-loop scatter, the global
+  layers' int8 K and V buffers ({global_buf('c') / 1e6:.0f} MB each per chip, all ten groups) are copied from the
+  cache's T(32,128) tiling to T(8,128) and back, once per step (plus their float32 scales, 5 MB each).
+  Temps {results['c']['scan']['temp_bytes'] / 1e9:.2f} GB.
+- single-scan int8 B={case(big)['batch']}: the same post-loop relayout of the global int8 K and V
+  ({global_buf(big) / 1e6:.0f} MB each per chip; one KV head per chip, so the sequence axis is the second-minor,
+  int8-tiled dimension), {results[big]['scan']['copy_bytes']['entry'] / 1e9:.2f} GB per step outside the loop
+  (with ten 3 MB copies of the staged sliding K/V), and
+  {results[big]['scan']['copy_bytes']['in_loops'] / 1e9:.2f} GB per step of activation-sized copies inside it
+  (1-5 MB attention scores and converted K/V, several of them into memory space S(1), on-chip VMEM, so this
+  overstates their HBM traffic): +{copies(big) / 1.6e9:.1f} ms over a
+  {results[big]['analytic']['roofline_ms']:.1f} ms roofline. Temps {results[big]['scan']['temp_bytes'] / 1e9:.2f} GB,
+  about one relaid-out global buffer; the sliding layers (4 KV heads per chip) are not copied.
+
+An earlier version scattered into the stacked cache inside the scan, and the compiler copied whole KV
+buffers every iteration (+18 ms over the roofline at 128K with 0.81 GB of temps, +39 ms at B=296); writing
+after the loop removed that. The unrolled layout (compiled here only for cost_analysis) now copies more than
+before: {unrolled_copies('c') / 1e9:.2f} GB per step at 128K (three 67 MB copies of each global layer's K and V;
+was 2.90 GB, so its cost_analysis roofline went from 24.16 to {results['c']['unrolled']['roofline_cost_ms']:.2f} ms)
+and {unrolled_copies(big) / 1e9:.2f} GB at B={case(big)['batch']} (was 3.39 GB). The copies
+left in the scanned program are correct, only slower than needed; a write whose layout matches the cache's
+int8 tiling (e.g. K/V packed 4 to an int32, or a dynamic_update_slice per token at B=1) could remove them.
 """
     MD_OUT.write_text(text)
 
