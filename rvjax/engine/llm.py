@@ -153,7 +153,8 @@ class LLM:
 
     def _resolve_loop(self, backend: str) -> str:
         """Gemma 4's layer loop: a scan over layer groups compiles once per group and is free on TPU, but
-        XLA:CPU copies each scanned weight slice (measured 2x slower here), so auto unrolls on CPU."""
+        XLA:CPU copies each scanned weight slice (a decode step 4.6x slower here:
+        bench/results/gemma4_layer_loop_cpu.md), so auto unrolls on CPU."""
         asked = self.config.layer_loop
         if self.model_cfg.family != "gemma4":
             if asked == "scan":
