@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL ?= qwen2.5-coder-0.5b-instruct
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 
-.PHONY: venv test serve bench clean
+.PHONY: venv test serve bench bench-tpu-aot clean
 
 venv: $(VENV)/.installed
 
@@ -26,5 +26,16 @@ serve: venv
 bench: venv
 	$(PY) bench/offline.py
 
+# TPU v6e AOT compiles on any machine: libtpu in its own venv, jax kept on the CPU backend.
+TPU_VENV := .venv-tpu
+$(TPU_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -e '.[tpu]'
+	touch $@
+
+bench-tpu-aot: $(TPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(TPU_VENV)/bin/python bench/gemma4_tpu_aot.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TPU_VENV) .pytest_cache
