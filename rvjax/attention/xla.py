@@ -62,34 +62,35 @@ def dense(q, q_pos, key_sets: Sequence[KeySet], *, scale: float, window: int | N
 
 def _merge(state, s, v):
     """One online-softmax step: fold scores s [B, K, G, T, S] over values v [B, S, K, H] into (m, l, acc)."""
-    m, l, acc = state
+    m, denom, acc = state
     m_new = jnp.maximum(m, s.max(axis=-1))
     # A block can be wholly masked for a row (a window that ends before it): keep exp() finite there.
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v.astype(jnp.float32))
-    return m_new, l * corr + p.sum(axis=-1), acc
+    return m_new, denom * corr + p.sum(axis=-1), acc
 
 
-def blockwise(q, q_pos, read_block, num_blocks, block: int, *, extra: KeySet, scale: float,
+def blockwise(q, q_pos, read_block, num_blocks, block: int, kv_heads: int, *, extra: KeySet | None, scale: float,
               window: int | None = None, softcap: float | None = None):
-    """Online-softmax attention over `extra` (the step's own keys) and a cache read `block` keys at a time.
+    """Online-softmax attention over `extra` (the step's own keys, or None when the cache already holds
+    them) and a cache read `block` keys at a time.
 
     read_block(i) -> (k, v, k_pos) for cache keys i*block .. (i+1)*block - 1. Only `num_blocks` blocks are
     read (a traced value: blocks past the newest position are skipped). Peak memory is one block of scores
     [B, K, G, T, block], whatever the context (rvLLM §8.2, BLOCK_K)."""
     b, t, n, h = q.shape
-    kh = extra[0].shape[2]
-    g = n // kh
+    kh, g = kv_heads, n // kv_heads
     state = (jnp.full((b, kh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
              jnp.zeros((b, kh, g, t, h), jnp.float32))
-    state = _merge(state, _masked_scores(q, q_pos, extra, scale, window, softcap), extra[1])
+    if extra is not None:
+        state = _merge(state, _masked_scores(q, q_pos, extra, scale, window, softcap), extra[1])
 
     def body(i, state):
         key_set = read_block(i)
         return _merge(state, _masked_scores(q, q_pos, key_set, scale, window, softcap), key_set[1])
 
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, state)
-    out = acc / l[..., None]  # [B, K, G, T, H]
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    out = acc / denom[..., None]  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)

@@ -77,6 +77,7 @@ class StepView(NamedTuple):
     k: jax.Array  # [B, T, K, H]: the step's K/V as the cache stores them, dequantized
     v: jax.Array
     start: jax.Array  # [B]: position of the step's first token
+    written: bool = False  # the layer already holds the step's K/V (an unrolled write before attention)
 
 
 def resolve_kv_dtype(name: str, backend: str, split: bool = False) -> str:
@@ -239,9 +240,14 @@ def commit(layer, parts, start: jax.Array, *, valid=None, groups: bool = False):
 
 
 def update(layer, k: jax.Array, v: jax.Array, start: jax.Array, *, valid=None):
-    """stage + commit: write k, v [B, T, K, H] at positions start[b] + t; returns (new layer, view)."""
+    """stage + commit: write k, v [B, T, K, H] at positions start[b] + t; returns (new layer, view).
+
+    A whole-context layer is read after its write: reading the old buffer while it is updated in place
+    makes XLA copy the whole cache (every layer, every step). A ring is read before its write, since the
+    write may overwrite entries the step still needs."""
     view, parts = stage(layer, k, v, start)
-    return commit(layer, parts, start, valid=valid), view
+    new = commit(layer, parts, start, valid=valid)
+    return new, view if isinstance(layer, RingKV) else view._replace(layer=new, written=True)
 
 
 # ---- attention ---------------------------------------------------------------------------------------
@@ -267,11 +273,14 @@ def attend(view: StepView, q: jax.Array, q_pos: jax.Array, *, scale: float, wind
            softcap: float | None = None) -> jax.Array:
     """Attention of q [B, T, N, H] at q_pos [B, T] over a step's view: the cache entries before the step
     and the step's own K/V. [B, T, N, H]."""
-    layer, index, k_new, v_new, start = view
+    layer, index, k_new, v_new, start = view.layer, view.index, view.k, view.v, view.start
     dtype = q.dtype
     t = k_new.shape[1]
     own = (k_new.astype(dtype), v_new.astype(dtype), start[:, None] + jnp.arange(t)[None, :])
+    if view.written:  # the cache holds the step's K/V already: read it up to the step's last position
+        own, start = None, start + t
     if isinstance(layer, RingKV):
+        assert own is not None, "a ring is read before its write"
         if window is None or layer.size > window:
             raise ValueError(f"a ring of {layer.size} slots serves sliding windows of at least that size; "
                              f"got window={window}")
@@ -280,8 +289,9 @@ def attend(view: StepView, q: jax.Array, q_pos: jax.Array, *, scale: float, wind
                          softcap=softcap)
     if layer.block is None:
         k, v = _read(layer, index, dtype)
-        return xla.dense(q, q_pos, [(k, v, _before(jnp.arange(k.shape[1]), start)), own], scale=scale,
-                         window=window, softcap=softcap)
+        cached = (k, v, _before(jnp.arange(k.shape[1]), start))
+        return xla.dense(q, q_pos, [cached] if own is None else [cached, own], scale=scale, window=window,
+                         softcap=softcap)
     block = layer.block
     lead = () if index is None else (index,)
 
@@ -296,11 +306,11 @@ def attend(view: StepView, q: jax.Array, q_pos: jax.Array, *, scale: float, wind
         return (_dequant(sl(layer.k), sl(layer.k_scale), dtype), _dequant(sl(layer.v), sl(layer.v_scale), dtype),
                 _before(i * block + jnp.arange(block), start))
 
-    num_blocks = (jnp.max(start) + block - 1) // block  # blocks holding any position before the step
-    return xla.blockwise(q, q_pos, read_block, num_blocks, block, extra=own, scale=scale, window=window,
-                         softcap=softcap)
+    num_blocks = (jnp.max(start) + block - 1) // block  # blocks holding any position before `start`
+    return xla.blockwise(q, q_pos, read_block, num_blocks, block, layer.k.shape[-2], extra=own, scale=scale,
+                         window=window, softcap=softcap)
 
 
 def _before(pos: jax.Array, start: jax.Array) -> jax.Array:
-    """[B, S] key positions of cache slots pos [S], -1 where a row has not written them yet (>= start)."""
+    """[B, S] key positions of cache slots pos [S], -1 at or after `start` (not written, or stale)."""
     return jnp.where(pos[None, :] < start[:, None], pos[None, :], -1)

@@ -197,12 +197,11 @@ def _layer(p: Layer, cfg: ModelConfig, i: int, x, ple_i, layer_kv, views: dict, 
         v = k if p.v is None else linear(h, p.v).reshape(b, t, kh, h_dim)
         k = rope(rms_norm(k, p.k_norm, cfg.rms_eps), positions, inv_freq=inv_freq)
         v = rms_norm(v, None, cfg.rms_eps)
-        view, parts = kvcache.stage(layer_kv, k, v, start, index=index)
         if index is None:
-            layer_kv = kvcache.commit(layer_kv, parts, start, valid=valid)
+            layer_kv, view = kvcache.update(layer_kv, k, v, start, valid=valid)
             views[sliding] = view
         else:
-            layer_kv = parts  # a scanned group's writes happen after the loop
+            view, layer_kv = kvcache.stage(layer_kv, k, v, start, index=index)  # written after the loop
     out = kvcache.attend(view, q, positions, scale=cfg.attn_scale, window=cfg.layer_window(i))
     x = x + rms_norm(linear(out.reshape(b, t, -1), p.o), p.post_attn_norm, cfg.rms_eps)
     h = gated_mlp(rms_norm(x, p.mlp_norm, cfg.rms_eps), p.gate, p.up, p.down, "gelu_tanh")
