@@ -444,10 +444,10 @@ one scatter per buffer writes all ten groups. There are no KV-sized copies insid
 
 An earlier version scattered into the stacked cache inside the scan, and the compiler copied whole KV
 buffers every iteration (+18 ms over the roofline at 128K with 0.81 GB of temps, +39 ms at B=296); writing
-after the loop removed that. The unrolled layout (compiled here only for cost_analysis) now copies more than
-before: {unrolled_copies('c') / 1e9:.2f} GB per step at 128K (three 67 MB copies of each global layer's K and V;
-was 2.90 GB, so its cost_analysis roofline went from 24.16 to {results['c']['unrolled']['roofline_cost_ms']:.2f} ms)
-and {unrolled_copies(big) / 1e9:.2f} GB at B={case(big)['batch']} (was 3.39 GB). The copies
+after the loop removed that. The unrolled layout (compiled here only for cost_analysis) writes each layer's
+whole-context cache before reading it, and copies {unrolled_copies('c') / 1e9:.2f} GB per step at 128K and
+{unrolled_copies(big) / 1e9:.2f} GB at B={case(big)['batch']} (an intermediate version that read before writing
+there copied 8.05 GB at 128K, as XLA kept the old buffer alive next to the in-place update). The copies
 left in the scanned program are correct, only slower than needed; a write whose layout matches the cache's
 int8 tiling (e.g. K/V packed 4 to an int32, or a dynamic_update_slice per token at B=1) could remove them.
 """
