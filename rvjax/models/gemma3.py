@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from rvjax.cache import KVCache
 from rvjax.config import ModelConfig
-from rvjax.models.layers import attention_block, gated_mlp, rms_norm
+from rvjax.models.layers import attention_block, gated_mlp, rms_norm, tied_logits
 from rvjax.models.params import Param
 
 
@@ -92,11 +92,7 @@ def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, c
     return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_layers, cache.max_len)
 
 
-def logits(w: Weights, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    out = jnp.einsum("...d,vd->...v", h, w.embed, preferred_element_type=jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        out = cfg.final_logit_softcap * jnp.tanh(out / cfg.final_logit_softcap)
-    return out
+logits = tied_logits
 
 
 HF_NAMES = {

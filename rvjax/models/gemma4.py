@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from rvjax.cache import kv as kvcache
 from rvjax.cache.kv import KVCache
 from rvjax.config import ModelConfig, from_hf_config
-from rvjax.models.layers import gated_mlp, linear, rms_norm, rope
+from rvjax.models.layers import gated_mlp, linear, rms_norm, rope, tied_logits
 from rvjax.models.params import Param
 
 
@@ -254,11 +254,7 @@ def forward(w: Weights, cfg: ModelConfig, tokens: jax.Array, start: jax.Array, c
     return rms_norm(x, w.final_norm, cfg.rms_eps), KVCache(new_blocks, cache.max_len)
 
 
-def logits(w: Weights, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    out = jnp.einsum("...d,vd->...v", h, w.embed, preferred_element_type=jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        out = cfg.final_logit_softcap * jnp.tanh(out / cfg.final_logit_softcap)
-    return out
+logits = tied_logits
 
 
 _L = "model.layers.{i}."

@@ -75,6 +75,15 @@ def attention_block(x, p, layer_kv, start, positions, *, num_heads, num_kv_heads
     return linear(out.reshape(b, t, num_heads * head_dim), p.o), layer_kv
 
 
+def tied_logits(w, cfg, h: jax.Array) -> jax.Array:
+    """h [..., D] -> float32 logits [..., V] through the embedding (a tied head), with Gemma's final
+    soft-cap `cap * tanh(x / cap)` when the config sets one."""
+    out = jnp.einsum("...d,vd->...v", h, w.embed, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        out = cfg.final_logit_softcap * jnp.tanh(out / cfg.final_logit_softcap)
+    return out
+
+
 def gated_mlp(x, gate, up, down, activation: str):
     """down(act(gate(x)) * up(x)); SiLU for Qwen, GELU-tanh for Gemma."""
     g = linear(x, gate)
